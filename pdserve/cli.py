@@ -1,0 +1,104 @@
+"""`pdserve` command line: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling import SamplingParams
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("pdserve generate: only --local is available in this version", file=sys.stderr)
+        return 2
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.model.config import parse_dtype
+    from pdserve.model.loader import load_model
+    from pdserve.model.tokenizer import TextStream
+
+    params = _sampling(args)
+    loaded = load_model(args.model, parse_dtype(args.dtype))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size))
+    prompt_ids = loaded.tokenizer.encode(args.prompt)
+    t0 = time.perf_counter()
+    engine.add_request("local", prompt_ids, params)
+    stream = TextStream(loaded.tokenizer)
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    ttft = None
+    finish = None
+    while engine.has_work():
+        for ev in engine.step():
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            token_ids.append(ev.token_id)
+            logprobs.append(ev.logprob)
+            finish = ev.finish_reason
+            piece = stream.push(ev.token_id)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    total = time.perf_counter() - t0
+    text = loaded.tokenizer.decode(token_ids)
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "prompt_tokens": len(prompt_ids), "token_ids": token_ids, "text": text,
+            "logprobs": logprobs, "finish_reason": finish.value if finish else None,
+            "ttft_ms": round((ttft or 0.0) * 1e3, 3), "total_ms": round(total * 1e3, 3),
+        }))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode-disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process")
+    gen.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face checkpoint directory")
+    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--num-blocks", type=int, default=2048)
+    _add_sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (numbers, not tests)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from pdserve.bench import engine_bench
+
+    engine_bench.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

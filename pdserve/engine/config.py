@@ -1,0 +1,35 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    COLOCATED = "colocated"  # prefill and decode in one engine (baseline, short prompts)
+    PREFILL = "prefill"  # computes prompts, holds their KV for export, returns the first token
+    DECODE = "decode"  # imports prompt KV, then decodes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    role: Role = Role.COLOCATED
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_num_seqs: int = 128  # running sequences at once
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

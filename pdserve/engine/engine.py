@@ -1,0 +1,167 @@
+"""LLMEngine: the one entry point to the engine, for all three roles.
+
+Not thread-safe: one engine thread owns it (services feed it through a queue).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig, Role
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
+from pdserve.kv.hashing import BlockHash, block_hashes
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A prefilled sequence's KV, ready to continue elsewhere: every prompt block, the tail included."""
+
+    request_id: str
+    profile: HashProfile
+    prompt_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]  # full blocks only
+    data: torch.Tensor  # [ceil(len(prompt_ids) / block_size), *layout.block_shape]
+    first_token: int
+    first_logprob: float
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model = loaded
+        self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        layout = KVLayout.for_model(loaded.config, self.config.block_size, loaded.dtype)
+        self.profile = HashProfile(loaded.fingerprint, layout)
+        self.kv_cache = KVCache(layout, self.config.num_blocks)
+        self.scheduler = Scheduler(self.config, self.profile, loaded.config.eos_token_ids, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        self._ids = itertools.count()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # -- requests --------------------------------------------------------------------------
+    def _new_sequence(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> Sequence:
+        if request_id in self.scheduler.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.max_model_len}"
+            )
+        return Sequence(request_id, list(prompt_ids), params, self.block_size,
+                        stop_after_prefill=self.config.role == Role.PREFILL)
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        self.scheduler.add(self._new_sequence(request_id, prompt_ids, params))
+
+    def step(self) -> list[TokenEvent]:
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            return []
+        sampled = self.runner.run(output)
+        now = time.perf_counter()
+        for chunk in output.chunks:
+            if chunk.sample and chunk.seq.first_token_time is None:
+                chunk.seq.first_token_time = now
+        return self.scheduler.update(output, sampled)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (all admitted together, batched continuously)."""
+        if self.config.role == Role.PREFILL:
+            raise ValueError("generate() needs the colocated or decode role")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self._new_sequence(f"gen-{next(self._ids)}", p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for s in seqs:
+            self.scheduler.add(s)
+        while any(s.status != SequenceStatus.FINISHED for s in seqs):
+            self.step()
+        return [self._result(s) for s in seqs]
+
+    @staticmethod
+    def _result(s: Sequence) -> GenerationResult:
+        return GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.output_logprobs,
+                                s.finish_reason or FinishReason.ABORT, s.num_cached_tokens,
+                                (s.first_token_time or s.arrival_time) - s.arrival_time)
+
+    # -- KV handoff ------------------------------------------------------------------------
+    def export_kv(self, request_id: str) -> KVExport:
+        """Prefill role: copy out a prefilled sequence's prompt blocks (pages stay held)."""
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.PREFILLED:
+            raise KeyError(f"no prefilled request {request_id!r} is held")
+        num_blocks = seq.blocks_for(seq.num_prompt_tokens)
+        return KVExport(
+            request_id=request_id,
+            profile=self.profile,
+            prompt_ids=tuple(seq.prompt_ids),
+            block_hashes=tuple(seq.block_hashes[: seq.num_prompt_tokens // self.block_size]),
+            data=self.kv_cache.read_blocks(seq.block_table[:num_blocks]),
+            first_token=seq.output_ids[0],
+            first_logprob=seq.output_logprobs[0],
+        )
+
+    def release(self, request_id: str) -> None:
+        self.scheduler.release(request_id)
+
+    def import_kv(self, kv: KVExport, params: SamplingParams, request_id: str | None = None) -> TokenEvent:
+        """Decode role: take a prompt's KV from another engine and continue decoding it.
+
+        Reuses prompt blocks this engine already caches; writes only the others. Raises
+        ValueError for KV that does not belong here, OutOfPagesError when pages are short.
+        """
+        reason = self.profile.mismatch(kv.profile)
+        if reason:
+            raise ValueError(f"KV import refused: {reason}")
+        seq = self._new_sequence(request_id or kv.request_id, kv.prompt_ids, params)
+        expected = (seq.blocks_for(seq.num_prompt_tokens), *self.profile.layout.block_shape)
+        if tuple(kv.data.shape) != expected:
+            raise ValueError(f"KV import refused: data shape {tuple(kv.data.shape)}, expected {expected}")
+        if kv.data.dtype != self.kv_cache.tensor.dtype:
+            raise ValueError(f"KV import refused: dtype {kv.data.dtype}, expected {self.kv_cache.tensor.dtype}")
+        if list(kv.block_hashes) != block_hashes(kv.prompt_ids, self.profile):
+            raise ValueError("KV import refused: block hashes do not match the prompt tokens")
+        if not 0 <= kv.first_token < self.model.config.vocab_size:
+            raise ValueError(f"KV import refused: first token {kv.first_token} outside the vocabulary")
+        num_local = self.scheduler.reserve_imported(seq)
+        missing = list(range(num_local, expected[0]))
+        self.kv_cache.write_blocks([seq.block_table[i] for i in missing], kv.data[num_local:])
+        return self.scheduler.activate_imported(seq, kv.first_token, kv.first_logprob)

@@ -1,0 +1,62 @@
+"""Sampling parameters (validated) and the sampler that turns logits into tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(
+    logits: torch.Tensor,  # [S, vocab] float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[float]]:
+    """One token per row, with its logprob under the model's unmodified distribution."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, p in enumerate(params):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, generators[row])
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    return tokens, chosen
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    scaled = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop tokens once the mass before them already reaches top_p (the first always stays).
+        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up (idempotent) and runs the whole test suite: lint, then pytest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test || exit 1
+.venv/bin/ruff check . || exit 1
+.venv/bin/python -m pytest -q "$@"
+rc=$?
+if [ $rc -eq 5 ]; then
+  echo "test.sh: pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit $rc

@@ -1,0 +1,112 @@
+"""Our model and loader against HF transformers (the oracle), on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kv.layout import KVLayout
+from pdserve.model.llama import AttentionMetadata, SeqAttention
+from pdserve.model.loader import LoadedModel, load_model
+from tests.hf_checkpoints import make_checkpoint
+
+KINDS = ["llama", "llama_linear", "qwen2", "mistral"]
+
+
+def our_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """All-position logits [T, vocab] from one paged forward pass."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    cache = KVCache(KVLayout.for_model(loaded.config, block_size, loaded.dtype), num_blocks)
+    pos = torch.arange(n)
+    meta = AttentionMetadata(pos // block_size, pos % block_size,
+                             (SeqAttention(0, n, n, torch.arange(num_blocks)),))
+    with torch.inference_mode():
+        return loaded.model(torch.tensor(token_ids), pos, meta, cache.tensor, pos)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = make_checkpoint(request.param, path)
+    return request.param, path, hf_model
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 33, 200])
+def test_logits_match_transformers(checkpoint, length):
+    kind, path, hf_model = checkpoint
+    loaded = load_model(str(path))
+    tokens = [(i * 37 + 11) % 258 for i in range(length)]
+    ours = our_logits(loaded, tokens)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([tokens])).logits[0].float()
+    assert ours.shape == theirs.shape == (length, 258)
+    assert (ours - theirs).abs().max().item() <= 1e-4, kind
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    kind, path, hf_model = checkpoint
+    loaded = load_model(str(path))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
+    prompts = [[(i * 13 + 5) % 258 for i in range(n)] for n in (3, 16, 41)]
+    ours = engine.generate(prompts, SamplingParams(max_tokens=24))
+    for prompt, result in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert result.token_ids == out[0, len(prompt):].tolist(), kind
+
+
+def test_bf16_loads_and_is_close(checkpoint):
+    _, path, hf_model = checkpoint
+    fp32 = load_model(str(path))
+    bf16 = load_model(str(path), dtype=torch.bfloat16)
+    assert bf16.fingerprint != fp32.fingerprint
+    tokens = list(range(40))
+    diff = (our_logits(bf16, tokens) - our_logits(fp32, tokens)).abs().max().item()
+    assert 0 < diff < 0.5
+
+
+def test_eos_from_generation_config(tmp_path):
+    make_checkpoint("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert load_model(str(tmp_path)).config.eos_token_ids == (7, 9)
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    make_checkpoint("llama", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match="shape mismatch for 'layers.0.mlp.w_gate_up.weight'"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        load_model(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()
+    Tokenizer = __import__("pdserve.model.tokenizer", fromlist=["Tokenizer"]).Tokenizer
+    Tokenizer.byte_level().save(tmp_path / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_tiny_is_deterministic_and_llama_shaped(tiny):
+    again = load_model("tiny")
+    assert again.fingerprint == tiny.fingerprint
+    c = tiny.config
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads) == (256, 4, 4, 2)
+    assert tiny.tokenizer.vocab_size == c.vocab_size
+    assert tiny.tokenizer.decode(tiny.tokenizer.encode("héllo wörld")) == "héllo wörld"
