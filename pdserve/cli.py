@@ -66,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ttft_ms": round((ttft or 0.0) * 1e3, 3), "total_ms": round(total * 1e3, 3),
         }))
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write(stream.flush() + "\n")
     return 0
 
 

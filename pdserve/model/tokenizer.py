@@ -80,3 +80,9 @@ class TextStream:
             return ""  # a multi-byte character is still incomplete
         piece, self._emitted = text[self._emitted :], len(text)
         return piece
+
+    def flush(self) -> str:
+        """The text held back at the end of the stream (an incomplete character stays as U+FFFD)."""
+        text = self._tokenizer.decode(self._ids)
+        piece, self._emitted = text[self._emitted :], len(text)
+        return piece

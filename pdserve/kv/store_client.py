@@ -1,0 +1,191 @@
+"""Client of the KV store: control plane over gRPC, bytes over the transfer engine (or gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.kv.layout import HashProfile
+from pdserve.kv.transfer import Span, Transfer
+from pdserve.server import channel
+from pdserve.v1 import kvstore_pb2 as pb
+from pdserve.v1 import kvstore_pb2_grpc
+from pdserve.wire import profile_to_pb
+
+
+@dataclass(frozen=True)
+class PutResult:
+    written: int  # blocks this call wrote
+    present: int  # already stored
+    pending: int  # another writer is writing them
+    slices: int  # transfer-engine slices used
+
+
+@dataclass(frozen=True)
+class GetResult:
+    num_blocks: int  # prefix blocks read (the tail not counted)
+    has_tail: bool
+    slices: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    lease_id: str
+    slots: list[pb.Slot]  # one per hash, then the tail's
+
+
+class StoreClient:
+    """One store, one profile. Local addresses must lie in memory registered with `transfer`."""
+
+    def __init__(self, target: str, profile: HashProfile, transfer: Transfer | None = None,
+                 timeout_s: float = 5.0):
+        self.target = target
+        self.profile = profile
+        self.profile_pb = profile_to_pb(profile)
+        self.transfer = transfer
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None  # made on first use, bound to the running loop
+        self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
+        self.segment = ""
+        self.block_nbytes = profile.layout.block_nbytes
+
+    async def connect(self) -> pb.InfoResponse:
+        info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+        self.segment = info.segment
+        return info
+
+    @property
+    def stub(self) -> kvstore_pb2_grpc.KVStoreStub:
+        if self._stub is None:
+            self._channel = channel(self.target)
+            self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+
+    # -- transfer-engine path ---------------------------------------------------------------
+    async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
+                       lease_ms: int = 0) -> Allocation:
+        resp = await self.stub.AllocatePut(pb.AllocatePutRequest(
+            profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id), timeout=self.timeout_s)
+        return Allocation(resp.lease_id, list(resp.slots))
+
+    async def write(self, slots: Sequence[pb.Slot], local_addrs: Sequence[int]) -> int:
+        """Write the blocks whose slot says WRITE; returns the slices used."""
+        spans = [Span(local, slot.address, self.block_nbytes)
+                 for slot, local in zip(slots, local_addrs, strict=True) if slot.state == pb.SLOT_STATE_WRITE]
+        return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
+
+    async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
+        return await self.stub.CommitPut(pb.CommitPutRequest(lease_id=lease_id, keys=list(keys),
+                                                             tail_ttl_ms=tail_ttl_ms), timeout=self.timeout_s)
+
+    async def put(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
+                  request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0) -> PutResult:
+        """Allocate, write, commit. On failure the lease is released, so nothing is stranded."""
+        alloc = await self.allocate(hashes, tail_key, request_id, lease_ms)
+        try:
+            slices = await self.write(alloc.slots, local_addrs)
+            await self.commit(alloc.lease_id, tail_ttl_ms=tail_ttl_ms)
+        except BaseException:
+            await self._release_quietly(alloc.lease_id)
+            raise
+        states = [s.state for s in alloc.slots]
+        return PutResult(states.count(pb.SLOT_STATE_WRITE), states.count(pb.SLOT_STATE_PRESENT),
+                         states.count(pb.SLOT_STATE_PENDING), slices)
+
+    async def get(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
+                  tail_addr: int | None = None, request_id: str = "", lease_ms: int = 0) -> GetResult:
+        """Read the longest stored prefix of `hashes` (and the tail) into local memory."""
+        resp = await self.stub.Get(pb.GetRequest(
+            profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id), timeout=self.timeout_s)
+        if not resp.lease_id:
+            return GetResult(0, False, 0)
+        try:
+            pairs = zip(resp.slots, local_addrs, strict=False)  # the prefix found may be shorter
+            spans = [Span(local, slot.address, self.block_nbytes) for slot, local in pairs]
+            has_tail = resp.HasField("tail")
+            if has_tail:
+                if tail_addr is None:
+                    raise ValueError("the store has a tail block but no tail_addr was given")
+                spans.append(Span(tail_addr, resp.tail.address, self.block_nbytes))
+            slices = await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
+        finally:
+            await self.release(resp.lease_id)
+        return GetResult(len(resp.slots), has_tail, slices)
+
+    async def watch(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
+                    lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[pb.WatchEvent]:
+        """Events as blocks are committed (each already pinned under the watch's lease)."""
+        call = self.stub.Watch(pb.WatchRequest(
+            profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id), timeout=timeout_s or self.timeout_s)
+        try:
+            async for event in call:
+                yield event
+        finally:
+            call.cancel()
+
+    async def read_slots(self, slots: Sequence[pb.Slot], local_addrs: Sequence[int]) -> int:
+        spans = [Span(local, s.address, self.block_nbytes) for s, local in zip(slots, local_addrs, strict=True)]
+        return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
+
+    async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
+        return await self.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s)
+
+    async def renew(self, lease_id: str, lease_ms: int = 0) -> None:
+        await self.stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms),
+                                   timeout=self.timeout_s)
+
+    async def _release_quietly(self, lease_id: str) -> None:
+        try:
+            await self.release(lease_id)
+        except grpc.aio.AioRpcError:
+            pass  # the lease will lapse on its own
+
+    def _require_transfer(self) -> Transfer:
+        if self.transfer is None:
+            raise RuntimeError("this StoreClient has no transfer engine: use put_bytes/get_bytes")
+        if not self.segment:
+            raise RuntimeError("call connect() first")
+        return self.transfer
+
+    # -- gRPC-bytes path --------------------------------------------------------------------
+    async def put_bytes(self, hashes: Sequence[bytes], data: bytes, tail_key: str = "", tail_lease_ms: int = 0,
+                        request_id: str = "", chunk_bytes: int = 1024 * 1024) -> pb.PutBytesResponse:
+        header = pb.PutBytesHeader(profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key,
+                                   tail_lease_ms=tail_lease_ms, request_id=request_id)
+
+        def messages():
+            yield pb.PutBytesRequest(header=header)
+            view = memoryview(data)
+            for i in range(0, len(data), chunk_bytes):
+                yield pb.PutBytesRequest(data=bytes(view[i : i + chunk_bytes]))
+
+        return await self.stub.PutBytes(messages(), timeout=self.timeout_s)
+
+    async def get_bytes(self, hashes: Sequence[bytes], tail_key: str = "",
+                        request_id: str = "") -> tuple[int, bool, bytes]:
+        """(blocks incl. the tail, has_tail, their bytes in order)."""
+        call = self.stub.GetBytes(pb.GetBytesRequest(profile=self.profile_pb, block_hashes=list(hashes),
+                                                     tail_key=tail_key, request_id=request_id),
+                                  timeout=self.timeout_s)
+        head = None
+        parts = []
+        async for msg in call:
+            if head is None:
+                head = msg
+            else:
+                parts.append(msg.data)
+        return head.num_blocks, head.has_tail, b"".join(parts)
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)

@@ -1,0 +1,44 @@
+"""structlog JSON logs; `request_id` and the trace id are bound per request through contextvars."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+from opentelemetry import trace
+
+_configured = False
+
+
+def _add_trace_id(_, __, event: dict) -> dict:
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event["trace_id"] = format(ctx.trace_id, "032x")
+    return event
+
+
+def configure(service: str, level: str = "INFO") -> None:
+    global _configured
+    if _configured:
+        return
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_trace_id,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+    _configured = True
+
+
+def get(name: str) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)

@@ -1,0 +1,166 @@
+"""One `build_server()` for every service: grpc.aio, health, reflection, error mapping, tracing.
+
+Health is NOT_SERVING until the service calls `set_serving()`; on SIGTERM/SIGINT it turns
+NOT_SERVING at once, then the server drains in-flight calls for `grace_s` and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from pdserve import logs, telemetry
+from pdserve.errors import status_for
+
+log = logs.get("pdserve.server")
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions raised by handlers into status codes with the exception's message."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            _wrap_stream(handler.stream_stream, method), handler.request_deserializer,
+            handler.response_serializer)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("handler failed", method=method)
+    else:
+        log.info("request refused", method=method, code=code.name, message=str(exc))
+    await context.abort(code, str(exc) or type(exc).__name__)
+
+
+def _wrap_unary(fn, method: str):
+    async def wrapped(request, context):
+        try:
+            return await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            await _abort(context, e, method)
+
+    return wrapped
+
+
+def _wrap_stream(fn, method: str):
+    if not inspect.isasyncgenfunction(fn):
+        return _wrap_unary(fn, method)  # a streaming handler that writes with context.write()
+
+    async def wrapped(request, context):
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e, method)
+
+    return wrapped
+
+
+@dataclass
+class ServerHandle:
+    server: grpc.aio.Server
+    port: int
+    health: HealthServicer
+    service_names: tuple[str, ...]
+    grace_s: float
+
+    async def set_serving(self) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING at once, then drain in-flight calls for the grace period."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+
+    def install_signal_handlers(self, on_shutdown: Callable[[], None] | None = None) -> asyncio.Event:
+        """SIGTERM/SIGINT start `shutdown()`; the returned event is set when it has finished."""
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def handle(signame: str) -> None:
+            log.info("shutting down", signal=signame, grace_s=self.grace_s)
+            if on_shutdown:
+                on_shutdown()
+
+            async def run() -> None:
+                await self.shutdown()
+                done.set()
+
+            loop.create_task(run())
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, handle, sig.name)
+        return done
+
+
+async def build_server(
+    name: str,
+    register: Callable[[grpc.aio.Server], list[str]],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    grace_s: float = 5.0,
+) -> ServerHandle:
+    """Start a server; `register` adds the servicers and returns their full service names."""
+    telemetry.setup_tracing(name)
+    server = grpc.aio.server(
+        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+    service_names = tuple(register(server))
+    health = HealthServicer()
+    for svc in ("", *service_names):
+        await health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"{name}: cannot bind {host}:{port}")
+    await server.start()
+    log.info("listening", server=name, address=f"{host}:{bound}")
+    return ServerHandle(server, bound, health, service_names, grace_s)
+
+
+def channel(target: str) -> grpc.aio.Channel:
+    """A client channel with tracing interceptors and our message-size limits."""
+    return grpc.aio.insecure_channel(
+        target,
+        interceptors=telemetry.client_interceptors(),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+    )

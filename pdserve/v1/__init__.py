@@ -1,0 +1,1 @@
+"""Generated gRPC stubs: run scripts/gen_protos.py."""

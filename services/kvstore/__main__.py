@@ -1,0 +1,87 @@
+"""`python -m services.kvstore`: the KV store process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from pdserve import logs
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.kv.transfer import Transfer
+from pdserve.model.config import parse_dtype
+from pdserve.redis_keys import RedisKeys
+from pdserve.server import build_server
+from pdserve.service import parse_config, run, write_port_file
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.config import KVStoreConfig
+from services.kvstore.memory import TierMemory
+from services.kvstore.redis_index import RedisIndex
+from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.store import BlockStore
+
+log = logs.get("kvstore")
+
+
+def hash_profile(cfg: KVStoreConfig) -> HashProfile:
+    if cfg.kv_layout:
+        parts = cfg.kv_layout.split(",")
+        if len(parts) != 5:
+            raise ValueError(f"--kv-layout wants 'layers,kv_heads,block_size,head_dim,dtype', got {cfg.kv_layout!r}")
+        layers, heads, block, dim = (int(x) for x in parts[:4])
+        return HashProfile(cfg.model_fingerprint, KVLayout(layers, heads, block, dim, parts[4]))
+    from pdserve.model.loader import load_model
+
+    loaded = load_model(cfg.model, parse_dtype(cfg.dtype))
+    return HashProfile(loaded.fingerprint, KVLayout.for_model(loaded.config, cfg.block_size, loaded.dtype))
+
+
+def device_name(cfg: KVStoreConfig) -> str:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+async def main() -> None:
+    cfg = parse_config(KVStoreConfig, "python -m services.kvstore")
+    profile = hash_profile(cfg)
+    block_nbytes = profile.layout.block_nbytes
+    device = TierMemory("device", cfg.device_bytes // block_nbytes, block_nbytes, device_name(cfg))
+    dram = TierMemory("dram", cfg.dram_bytes // block_nbytes, block_nbytes, "cpu")
+    transfer = Transfer(cfg.te_host, cfg.te_protocol)
+    transfer.register(device.buffer)
+    transfer.register(dram.buffer)
+    store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000)
+    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
+    store.index = index
+    servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
+                               redis_connected=lambda: index.connected)
+
+    def register(server) -> list[str]:
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
+        return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
+
+    handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
+    stopped = handle.install_signal_handlers()
+    index.start()
+    reaper = asyncio.get_running_loop().create_task(_reap(store))
+    log.info("kvstore ready", port=handle.port, segment=transfer.segment, block_nbytes=block_nbytes,
+             device_blocks=device.info.num_slots, device_kind=device.info.kind, dram_blocks=dram.info.num_slots,
+             layout=profile.layout.describe())
+    await handle.set_serving()
+    write_port_file(cfg.port_file, handle.port)
+    await stopped.wait()
+    reaper.cancel()
+    await index.stop()
+
+
+async def _reap(store: BlockStore) -> None:
+    while True:
+        await asyncio.sleep(0.1)
+        lapsed = store.reap()
+        if lapsed:
+            log.info("leases lapsed", count=lapsed)
+
+
+if __name__ == "__main__":
+    run("kvstore", main)

@@ -1,0 +1,41 @@
+"""kvstore configuration (env PDSERVE_* or flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import field
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(0, "port (0: any free port)")
+    port_file: str = field("", "write the bound port here once serving")
+    model: str = field("tiny", "model whose KV this store serves: 'tiny' or a checkpoint directory")
+    dtype: str = field("float32", "KV dtype")
+    block_size: int = field(16, "tokens per block")
+    kv_layout: str = field("", "explicit layout 'layers,kv_heads,block_size,head_dim,dtype' (with --model-fingerprint)")
+    model_fingerprint: str = field("", "fingerprint for an explicit --kv-layout")
+    device_bytes: int = field(256 * MIB, "device tier capacity in bytes")
+    dram_bytes: int = field(1024 * MIB, "DRAM tier capacity in bytes")
+    device: str = field("auto", "device tier memory: auto (cuda when torch sees a GPU), cuda or host")
+    lease_ms: int = field(10_000, "default lease length")
+    max_blocks_per_request: int = field(65_536, "hard cap on blocks named by one request")
+    redis_url: str = field("redis://127.0.0.1:6379/0", "Redis for the prefix index and hit counters")
+    key_prefix: str = field("pdserve", "prefix of every Redis key")
+    te_host: str = field("127.0.0.1", "address the transfer engine listens on")
+    te_protocol: str = field("tcp", "transfer engine protocol: tcp or rdma")
+    grace_s: float = field(5.0, "drain period on SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.device_bytes <= 0 or self.dram_bytes <= 0:
+            raise ValueError("device_bytes and dram_bytes must be positive")
+        if self.device not in ("auto", "cuda", "host"):
+            raise ValueError(f"device must be auto, cuda or host, got {self.device!r}")
+        if bool(self.kv_layout) != bool(self.model_fingerprint):
+            raise ValueError("--kv-layout and --model-fingerprint go together")
+        if self.lease_ms <= 0:
+            raise ValueError("lease_ms must be positive")

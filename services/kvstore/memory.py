@@ -1,0 +1,108 @@
+"""Store memory: one registered buffer per tier, cut into block-sized slots.
+
+Slots are handed out in runs of adjacent slots whenever possible, so a run of blocks moves as
+one transfer-engine slice (DESIGN.md: ~45 µs per slice here; coalescing is what makes it fast).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+class RunAllocator:
+    """Free slots as sorted, merged runs [start, start + length). Owned by its `TierMemory`."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._starts: list[int] = [0] if num_slots else []
+        self._lengths: dict[int, int] = {0: num_slots} if num_slots else {}
+        self.num_free = num_slots
+
+    def allocate(self, n: int) -> list[int]:
+        """n slots, as one run when one exists (first fit), else the fewest largest runs."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocator: want {n} slots, {self.num_free} free")
+        if n == 0:
+            return []
+        for start in self._starts:
+            if self._lengths[start] >= n:
+                self._take(start, n)
+                return list(range(start, start + n))
+        out: list[int] = []
+        for start in sorted(self._starts, key=lambda s: -self._lengths[s]):
+            take = min(self._lengths[start], n - len(out))
+            self._take(start, take)
+            out.extend(range(start, start + take))
+            if len(out) == n:
+                break
+        return sorted(out)
+
+    def _take(self, start: int, n: int) -> None:
+        length = self._lengths.pop(start)
+        i = bisect.bisect_left(self._starts, start)
+        del self._starts[i]
+        if length > n:
+            self._starts.insert(i, start + n)
+            self._lengths[start + n] = length - n
+        self.num_free -= n
+
+    def free(self, slot: int) -> None:
+        i = bisect.bisect_left(self._starts, slot)
+        if i < len(self._starts) and self._starts[i] == slot:
+            raise RuntimeError(f"allocator: double free of slot {slot}")
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] > slot:
+            raise RuntimeError(f"allocator: double free of slot {slot}")
+        start, length = slot, 1
+        if i < len(self._starts) and self._starts[i] == slot + 1:  # merge with the run after
+            length += self._lengths.pop(self._starts[i])
+            del self._starts[i]
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == slot:  # and before
+            prev = self._starts[i - 1]
+            self._lengths[prev] += length
+        else:
+            self._starts.insert(i, start)
+            self._lengths[start] = length
+        self.num_free += 1
+
+    def runs(self) -> list[tuple[int, int]]:
+        return [(s, self._lengths[s]) for s in self._starts]
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    name: str  # "device" | "dram"
+    kind: str  # "cuda" | "host"
+    num_slots: int
+    block_nbytes: int
+
+
+class TierMemory:
+    """One tier's buffer [num_slots * block_nbytes] bytes and its slot allocator."""
+
+    def __init__(self, name: str, num_slots: int, block_nbytes: int, device: str = "cpu"):
+        self.info = TierInfo(name, "cuda" if device.startswith("cuda") else "host", num_slots, block_nbytes)
+        self.block_nbytes = block_nbytes
+        # uint8 so any KV dtype fits; one allocation keeps adjacent slots adjacent in memory.
+        self.buffer = torch.zeros(max(num_slots, 1) * block_nbytes, dtype=torch.uint8, device=device)
+        self.allocator = RunAllocator(num_slots)
+
+    @property
+    def base_address(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.num_slots * self.block_nbytes
+
+    def address(self, slot: int) -> int:
+        return self.base_address + slot * self.block_nbytes
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.buffer[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
+
+
+def copy_slot(src: TierMemory, src_slot: int, dst: TierMemory, dst_slot: int) -> None:
+    dst.view(dst_slot).copy_(src.view(src_slot))

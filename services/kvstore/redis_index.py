@@ -1,0 +1,114 @@
+"""Mirrors the store's contents and hit counters into Redis, off the request path.
+
+Redis down: the store keeps serving; changes accumulate (latest state per key), and once Redis
+answers again the whole index is rebuilt from the store's contents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from pdserve import logs
+from pdserve.redis_keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+
+log = logs.get("kvstore.index")
+
+
+class RedisIndex:
+    """Owns the pending index changes and the Redis connection state of one store."""
+
+    def __init__(self, url: str, keys: RedisKeys, snapshot: Callable[[], list[tuple[bytes, str]]],
+                 interval_s: float = 0.05):
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.keys = keys
+        self.snapshot = snapshot
+        self.interval_s = interval_s
+        self.connected = False
+        self._rebuild = True  # first flush writes the whole index
+        self._pending: dict[bytes, str | None] = {}  # key -> tier, None = dropped
+        self._hits = 0
+        self._misses = 0
+        self._task: asyncio.Task | None = None
+        self._warned = False
+
+    # IndexSink: called on the event loop, never blocks.
+    def committed(self, key: bytes, tier: str) -> None:
+        self._pending[key] = tier
+
+    def moved(self, key: bytes, tier: str) -> None:
+        self._pending[key] = tier
+
+    def dropped(self, key: bytes) -> None:
+        self._pending[key] = None
+
+    def looked_up(self, hits: int, misses: int) -> None:
+        self._hits += hits
+        self._misses += misses
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.flush()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        await self.redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.flush()
+                if not self.connected:
+                    log.info("redis connected: prefix index rebuilt", index=self.keys.store_index())
+                self.connected = True
+                self._warned = False
+            except (aioredis.RedisError, OSError) as e:
+                if self.connected or not self._warned:
+                    log.warning("redis unavailable: serving on, index will be rebuilt", error=str(e))
+                    self._warned = True
+                self.connected = False
+                self._rebuild = True
+            await asyncio.sleep(self.interval_s)
+
+    async def flush(self) -> None:
+        index = self.keys.store_index()
+        pipe = self.redis.pipeline(transaction=self._rebuild)
+        if self._rebuild:
+            pending, self._pending = {}, {}
+            contents = self.snapshot()
+            pipe.delete(index)
+            for i in range(0, len(contents), 1000):
+                pipe.hset(index, mapping={k.hex(): tier for k, tier in contents[i : i + 1000]})
+        else:
+            pending, self._pending = self._pending, {}
+            for key, tier in pending.items():
+                if tier is None:
+                    pipe.hdel(index, key.hex())
+                else:
+                    pipe.hset(index, key.hex(), tier)
+        pipe.expire(index, INDEX_TTL_S)
+        hits, misses = self._hits, self._misses
+        if hits or misses:
+            window = self.keys.hits("store", window_start())
+            pipe.hincrby(window, "hit_blocks", hits)
+            pipe.hincrby(window, "miss_blocks", misses)
+            pipe.expire(window, WINDOW_S * KEEP_WINDOWS)
+        try:
+            await pipe.execute()
+        except BaseException:
+            for key, tier in pending.items():  # keep what was not written; newer changes win
+                self._pending.setdefault(key, tier)
+            raise
+        self._hits -= hits
+        self._misses -= misses
+        self._rebuild = False

@@ -1,0 +1,180 @@
+"""KVStore gRPC servicer: protobuf in, `BlockStore` calls, protobuf out."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from pdserve import logs
+from pdserve.errors import InvalidArgument
+from pdserve.kv.layout import HashProfile
+from pdserve.v1 import kvstore_pb2 as pb
+from pdserve.v1 import kvstore_pb2_grpc
+from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
+from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, SlotState
+
+log = logs.get("kvstore")
+
+_TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
+_STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
+          SlotState.PENDING: pb.SLOT_STATE_PENDING}
+CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
+
+
+def _slot_pb(ref: SlotRef) -> pb.Slot:
+    return pb.Slot(key=ref.key, address=ref.address, tier=_TIER[ref.tier], state=_STATE[ref.state])
+
+
+def _unix_ms(deadline_monotonic: float) -> int:
+    return int((time.time() + deadline_monotonic - time.monotonic()) * 1000)
+
+
+def _tail(key: str) -> bytes | None:
+    return ("tail:" + key).encode() if key else None
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
+                 max_blocks: int, redis_connected=lambda: False):
+        self.store = store
+        self.profile = profile
+        self.segment = segment
+        self.device_kind = device_kind
+        self.max_blocks = max_blocks
+        self.redis_connected = redis_connected
+
+    def _check(self, profile, hashes: list[bytes], request_id: str) -> list[bytes]:
+        structlog.contextvars.bind_contextvars(request_id=request_id or None)
+        require_profile(profile, self.profile)
+        return hashes_from_pb(list(hashes), self.max_blocks)
+
+    async def Info(self, request, context):
+        return pb.InfoResponse(
+            segment=self.segment, profile=profile_to_pb(self.profile), block_nbytes=self.store.block_nbytes,
+            device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
+            dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind)
+
+    async def AllocatePut(self, request, context):
+        hashes = self._check(request.profile, request.block_hashes, request.request_id)
+        lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
+        return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=[_slot_pb(r) for r in refs],
+                                      lease_deadline_unix_ms=_unix_ms(lease.deadline))
+
+    async def CommitPut(self, request, context):
+        keys = list(request.keys) or None
+        count, closed = self.store.commit(request.lease_id, keys, request.tail_ttl_ms)
+        return pb.CommitPutResponse(committed=count, lease_closed=closed)
+
+    async def Get(self, request, context):
+        hashes = self._check(request.profile, request.block_hashes, request.request_id)
+        lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
+        if lease is None:
+            return pb.GetResponse()
+        return pb.GetResponse(lease_id=lease.lease_id, slots=[_slot_pb(r) for r in refs],
+                              tail=_slot_pb(tail) if tail else None,
+                              lease_deadline_unix_ms=_unix_ms(lease.deadline))
+
+    async def Watch(self, request, context):
+        hashes = self._check(request.profile, request.block_hashes, request.request_id)
+        watcher = self.store.watch(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
+        total = len(hashes) + (1 if request.tail_key else 0)
+        delivered = 0
+        try:
+            while delivered < total:
+                index, ref = await watcher.queue.get()
+                delivered += 1
+                yield pb.WatchEvent(lease_id=watcher.lease.lease_id, index=index, slot=_slot_pb(ref))
+        finally:
+            # Complete: the client reads, then releases (or the lease lapses). Cut short: the
+            # client is gone or gave up, so nothing it pinned may stay pinned.
+            self.store.end_watch(watcher, release=delivered < total)
+
+    async def RenewLease(self, request, context):
+        deadline = self.store.renew(request.lease_id, request.lease_ms)
+        return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
+
+    async def ReleaseLease(self, request, context):
+        unpinned, reclaimed = self.store.release(request.lease_id)
+        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=reclaimed)
+
+    async def PutBytes(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("PutBytes: the first message must be the header")
+        h = first.header
+        hashes = self._check(h.profile, h.block_hashes, h.request_id)
+        lease, refs = self.store.allocate_put(hashes, _tail(h.tail_key), h.tail_lease_ms, h.request_id)
+        nbytes = self.store.block_nbytes
+        expected = len(refs) * nbytes
+        received = 0
+        try:
+            async for msg in request_iterator:
+                if not msg.HasField("data"):
+                    raise InvalidArgument("PutBytes: only data messages may follow the header")
+                data = msg.data
+                if received + len(data) > expected:
+                    raise InvalidArgument(f"PutBytes: more bytes than {len(refs)} blocks of {nbytes} bytes")
+                self._write_span(refs, received, data)
+                received += len(data)
+            if received != expected:
+                raise InvalidArgument(f"PutBytes: got {received} bytes, expected {expected} "
+                                      f"({len(refs)} blocks of {nbytes} bytes)")
+        except BaseException:
+            if lease.lease_id in self.store.leases:
+                self.store.release(lease.lease_id)  # reclaim what was never committed
+            raise
+        written = sum(1 for r in refs if r.state == SlotState.WRITE)
+        if lease.lease_id in self.store.leases:
+            self.store.commit(lease.lease_id, tail_ttl_ms=h.tail_lease_ms)
+        return pb.PutBytesResponse(written=written, already_present=len(refs) - written)
+
+    def _write_span(self, refs: list[SlotRef], offset: int, data: bytes) -> None:
+        nbytes = self.store.block_nbytes
+        pos = 0
+        while pos < len(data):
+            block, within = divmod(offset + pos, nbytes)
+            take = min(nbytes - within, len(data) - pos)
+            ref = refs[block]
+            if ref.state == SlotState.WRITE:
+                entry = self.store.entries[ref.key]
+                view = self.store.tiers[entry.tier].view(entry.slot)
+                view[within : within + take].copy_(_as_tensor(data[pos : pos + take]))
+            pos += take
+
+    async def GetBytes(self, request, context):
+        hashes = self._check(request.profile, request.block_hashes, request.request_id)
+        lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), 0, request.request_id)
+        all_refs = [*refs, *([tail] if tail else [])]
+        yield pb.GetBytesResponse(num_blocks=len(all_refs), has_tail=tail is not None)
+        if lease is None:
+            return
+        try:
+            buf = bytearray()
+            for ref in all_refs:
+                entry = self.store.entries[ref.key]
+                buf += self.store.tiers[entry.tier].view(entry.slot).cpu().numpy().tobytes()
+                while len(buf) >= CHUNK_BYTES:
+                    yield pb.GetBytesResponse(data=bytes(buf[:CHUNK_BYTES]))
+                    del buf[:CHUNK_BYTES]
+            if buf:
+                yield pb.GetBytesResponse(data=bytes(buf))
+        finally:
+            self.store.release(lease.lease_id)
+
+    async def Stats(self, request, context):
+        c = self.store.counters
+        tiers = []
+        for tier in (DEVICE, DRAM):
+            s = self.store.tier_stats(tier)
+            tiers.append(pb.TierStats(tier=_TIER[tier], promotions=c.promotions if tier == DEVICE else 0, **s))
+        return pb.StatsResponse(
+            tiers=tiers, hits=c.hits, misses=c.misses, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
+            active_leases=len(self.store.leases), watchers=sum(len(w) for w in self.store.watchers.values()),
+            redis_connected=self.redis_connected())
+
+
+def _as_tensor(data: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -1,0 +1,417 @@
+"""BlockStore: which key lives in which slot of which tier, pins, leases, LRU eviction, watchers.
+
+Single-threaded by design: only the server's event loop calls it, so it needs no locks.
+Invariants:
+- an entry is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
+  and (for a per-request tail) until its TTL lapses; pinned entries are never evicted;
+- a tier's `evictable` LRU holds exactly its committed, unpinned, non-tail entries;
+- eviction from the device tier demotes to DRAM (dropping DRAM's LRU to make room, or dropping
+  the block itself when DRAM is all pinned); eviction from DRAM drops;
+- a DRAM hit is served from DRAM and promoted to the device tier when its last reader releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.kvstore.events import IndexSink, NullIndexSink
+from services.kvstore.memory import TierMemory, copy_slot
+
+DEVICE, DRAM = "device", "dram"
+
+
+class SlotState(enum.Enum):
+    WRITE = "write"
+    PRESENT = "present"
+    PENDING = "pending"
+
+
+@dataclass
+class Entry:
+    key: bytes
+    tier: str
+    slot: int
+    committed: bool = False
+    pins: int = 0
+    is_tail: bool = False
+    tail_held: bool = False  # a committed tail is pinned by its TTL until tail_expires
+    tail_expires: float = 0.0
+    promote_on_release: bool = False
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    key: bytes
+    address: int
+    tier: str
+    state: SlotState
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    kind: str  # "read" | "write"
+    deadline: float
+    request_id: str
+    pinned: list[bytes] = field(default_factory=list)  # read: keys pinned; write: keys still uncommitted
+    all_keys: set[bytes] = field(default_factory=set)  # write: every key the put named
+    watching: bool = False  # a live Watch stream keeps it from lapsing
+
+
+@dataclass
+class Watcher:
+    lease: Lease
+    wanted: dict[bytes, int]  # key -> index in the request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    tier_hits: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, DRAM: 0})
+    evictions: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, DRAM: 0})
+    promotions: int = 0
+
+
+class BlockStore:
+    """Owns every entry, tier LRU, lease and watcher of one store process."""
+
+    def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
+                 index: IndexSink | None = None, clock=time.monotonic):
+        self.tiers = {DEVICE: device, DRAM: dram}
+        self.block_nbytes = device.block_nbytes
+        self.default_lease_s = default_lease_s
+        self.index = index or NullIndexSink()
+        self.clock = clock
+        self.entries: dict[bytes, Entry] = {}
+        self.evictable: dict[str, OrderedDict[bytes, None]] = {DEVICE: OrderedDict(), DRAM: OrderedDict()}
+        self.leases: dict[str, Lease] = {}
+        self._closed_leases: OrderedDict[str, None] = OrderedDict()  # for idempotent commits
+        self.watchers: dict[bytes, list[Watcher]] = {}
+        self.counters = Counters()
+        self._lease_ids = itertools.count(1)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _lease_s(self, lease_ms: int) -> float:
+        return lease_ms / 1000 if lease_ms > 0 else self.default_lease_s
+
+    def _new_lease(self, kind: str, lease_ms: int, request_id: str) -> Lease:
+        lease = Lease(f"{kind[0]}{next(self._lease_ids)}", kind, self.clock() + self._lease_s(lease_ms), request_id)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
+        return SlotRef(entry.key, self.tiers[entry.tier].address(entry.slot), entry.tier, state)
+
+    def _pin(self, entry: Entry) -> None:
+        if entry.pins == 0:
+            self.evictable[entry.tier].pop(entry.key, None)
+        entry.pins += 1
+
+    def _unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        assert entry.pins >= 0, entry
+        if entry.pins == 0 and entry.is_tail:
+            self._drop(entry)  # a tail's TTL pin is gone and so is its last reader
+        elif entry.pins == 0 and entry.committed:
+            self.evictable[entry.tier][entry.key] = None
+            if entry.promote_on_release:
+                entry.promote_on_release = False
+                self._promote(entry)
+
+    def _touch(self, entry: Entry) -> None:
+        lru = self.evictable[entry.tier]
+        if entry.key in lru:
+            lru.move_to_end(entry.key)
+
+    def _room(self, tier: str) -> int:
+        return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
+
+    # -- eviction --------------------------------------------------------------------------
+    def _drop(self, entry: Entry) -> None:
+        self.evictable[entry.tier].pop(entry.key, None)
+        self.tiers[entry.tier].allocator.free(entry.slot)
+        del self.entries[entry.key]
+        if not entry.is_tail and entry.committed:
+            self.index.dropped(entry.key)
+
+    def _free_one(self, tier: str) -> None:
+        """Make one slot free in `tier` by evicting its least recently used unpinned block."""
+        key, _ = self.evictable[tier].popitem(last=False)
+        entry = self.entries[key]
+        self.counters.evictions[tier] += 1
+        if tier == DEVICE and self._room(DRAM) > 0:
+            self._move(entry, DRAM)  # demote
+        else:
+            self._drop(entry)
+
+    def _take_slots(self, tier: str, n: int) -> list[int]:
+        mem = self.tiers[tier]
+        while mem.allocator.num_free < n:
+            self._free_one(tier)
+        return mem.allocator.allocate(n)
+
+    def _move(self, entry: Entry, tier: str) -> None:
+        [slot] = self._take_slots(tier, 1)
+        copy_slot(self.tiers[entry.tier], entry.slot, self.tiers[tier], slot)
+        self.tiers[entry.tier].allocator.free(entry.slot)
+        self.evictable[entry.tier].pop(entry.key, None)
+        entry.tier, entry.slot = tier, slot
+        if entry.pins == 0 and entry.committed and not entry.is_tail:
+            self.evictable[tier][entry.key] = None
+        self.index.moved(entry.key, tier)
+
+    def _promote(self, entry: Entry) -> None:
+        if entry.tier != DRAM or self._room(DEVICE) == 0:
+            return
+        self.counters.promotions += 1
+        if self.tiers[DEVICE].allocator.num_free > 0:
+            self._move(entry, DEVICE)
+            return
+        # Device full: swap with its least recently used block, which takes our DRAM slot.
+        victim = self.entries[self.evictable[DEVICE].popitem(last=False)[0]]
+        self.evictable[DRAM].pop(entry.key)
+        device, dram = self.tiers[DEVICE], self.tiers[DRAM]
+        ours = dram.view(entry.slot).clone()
+        copy_slot(device, victim.slot, dram, entry.slot)
+        device.view(victim.slot).copy_(ours)
+        entry.tier, entry.slot, victim.tier, victim.slot = DEVICE, victim.slot, DRAM, entry.slot
+        self.evictable[DEVICE][entry.key] = None
+        self.evictable[DRAM][victim.key] = None
+        self.counters.evictions[DEVICE] += 1
+        self.index.moved(entry.key, DEVICE)
+        self.index.moved(victim.key, DRAM)
+
+    def _allocate(self, n: int) -> list[tuple[str, int]]:
+        """n new slots: device tier first, the rest spilled to DRAM; all or nothing."""
+        room_dev, room_dram = self._room(DEVICE), self._room(DRAM)
+        if n > room_dev + room_dram:
+            raise ResourceExhausted(
+                f"store full: {n} blocks requested, {room_dev + room_dram} can be made free "
+                f"(the rest are pinned by readers or writers); retry later"
+            )
+        n_dev = min(n, room_dev)
+        slots = [(DEVICE, s) for s in self._take_slots(DEVICE, n_dev)]
+        return slots + [(DRAM, s) for s in self._take_slots(DRAM, n - n_dev)]
+
+    # -- put -------------------------------------------------------------------------------
+    def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+                     request_id: str) -> tuple[Lease, list[SlotRef]]:
+        if tail_key is not None and tail_key in self.entries:
+            raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
+        if len(set(hashes)) != len(hashes):
+            raise InvalidArgument("block hashes repeat within one put")
+        new_keys = [h for h in hashes if h not in self.entries] + ([tail_key] if tail_key is not None else [])
+        placed = dict(zip(new_keys, self._allocate(len(new_keys)), strict=True))
+        lease = self._new_lease("write", lease_ms, request_id)
+        lease.all_keys = {*hashes, *([tail_key] if tail_key is not None else [])}
+        refs = []
+        for key in [*hashes, *([tail_key] if tail_key is not None else [])]:
+            entry = self.entries.get(key)
+            if key in placed:
+                tier, slot = placed[key]
+                entry = self.entries[key] = Entry(key, tier, slot, is_tail=key == tail_key)
+                self._pin(entry)
+                lease.pinned.append(key)
+                refs.append(self.slot_ref(entry, SlotState.WRITE))
+            elif entry.committed:
+                self._touch(entry)
+                refs.append(self.slot_ref(entry, SlotState.PRESENT))
+            else:
+                refs.append(self.slot_ref(entry, SlotState.PENDING))
+        if not lease.pinned:
+            self._close(lease)
+        return lease, refs
+
+    def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
+               tail_ttl_ms: int = 0) -> tuple[int, bool]:
+        """Commit written blocks; returns (newly committed, lease closed). Idempotent."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            if lease_id in self._closed_leases:
+                return 0, True
+            raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
+        if lease.kind != "write":
+            raise InvalidArgument(f"lease {lease_id!r} is a read lease")
+        wanted = list(lease.pinned) if keys is None else list(keys)
+        count = 0
+        for key in wanted:
+            if key not in lease.all_keys:
+                raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
+        for key in wanted:
+            if key not in lease.pinned:
+                continue  # already committed by this lease, or written by another writer
+            entry = self.entries[key]
+            entry.committed = True
+            lease.pinned.remove(key)
+            self.counters.bytes_written += self.block_nbytes
+            if entry.is_tail:
+                entry.tail_held = True  # the writer's pin becomes the TTL pin
+                entry.tail_expires = self.clock() + self._lease_s(tail_ttl_ms)
+            else:
+                self._unpin(entry)
+                self.index.committed(key, entry.tier)
+            count += 1
+            self._notify(entry)
+        closed = not lease.pinned
+        if closed:
+            self._close(lease)
+        return count, closed
+
+    def _close(self, lease: Lease) -> None:
+        self.leases.pop(lease.lease_id, None)
+        self._closed_leases[lease.lease_id] = None
+        while len(self._closed_leases) > 4096:
+            self._closed_leases.popitem(last=False)
+
+    # -- get -------------------------------------------------------------------------------
+    def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+            request_id: str) -> tuple[Lease | None, list[SlotRef], SlotRef | None]:
+        found: list[Entry] = []
+        for h in hashes:
+            entry = self.entries.get(h)
+            if entry is None or not entry.committed:
+                break
+            found.append(entry)
+        tail = self.entries.get(tail_key) if tail_key is not None else None
+        if tail is not None and not tail.committed:
+            tail = None
+        self._count_lookup(found, len(hashes))
+        if not found and tail is None:
+            return None, [], None
+        lease = self._new_lease("read", lease_ms, request_id)
+        for entry in [*found, *([tail] if tail else [])]:
+            self._pin_for_read(lease, entry)
+        return lease, [self.slot_ref(e) for e in found], self.slot_ref(tail) if tail else None
+
+    def _count_lookup(self, found: list[Entry], asked: int) -> None:
+        self.counters.hits += len(found)
+        self.counters.misses += asked - len(found)
+        for e in found:
+            self.counters.tier_hits[e.tier] += 1
+        self.index.looked_up(len(found), asked - len(found))
+
+    def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
+        self._touch(entry)
+        self._pin(entry)
+        lease.pinned.append(entry.key)
+        self.counters.bytes_read += self.block_nbytes
+        if entry.tier == DRAM and not entry.is_tail:
+            entry.promote_on_release = True
+
+    # -- watch -----------------------------------------------------------------------------
+    def watch(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+              request_id: str) -> Watcher:
+        """Register interest; already-committed keys are queued at once, others on commit."""
+        keys = [*hashes, *([tail_key] if tail_key is not None else [])]
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys repeat within one watch")
+        lease = self._new_lease("read", lease_ms, request_id)
+        lease.watching = True
+        watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
+        hits = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and entry.committed:
+                hits += key != tail_key
+                self._deliver(watcher, entry)
+            else:
+                self.watchers.setdefault(key, []).append(watcher)
+        self.counters.hits += hits
+        self.index.looked_up(hits, 0)
+        return watcher
+
+    def _deliver(self, watcher: Watcher, entry: Entry) -> None:
+        self._pin_for_read(watcher.lease, entry)
+        watcher.queue.put_nowait((watcher.wanted.pop(entry.key), self.slot_ref(entry)))
+
+    def _notify(self, entry: Entry) -> None:
+        for watcher in self.watchers.pop(entry.key, []):
+            if watcher.lease.lease_id in self.leases:
+                self._deliver(watcher, entry)
+
+    def end_watch(self, watcher: Watcher, release: bool) -> None:
+        """The Watch stream ended: stop waiting; release its pins too when the client is gone."""
+        for key in list(watcher.wanted):
+            waiting = self.watchers.get(key, [])
+            if watcher in waiting:
+                waiting.remove(watcher)
+                if not waiting:
+                    del self.watchers[key]
+        watcher.lease.watching = False
+        if release:
+            self.release(watcher.lease.lease_id)
+        else:
+            watcher.lease.deadline = max(watcher.lease.deadline, self.clock() + self.default_lease_s)
+
+    # -- leases ----------------------------------------------------------------------------
+    def renew(self, lease_id: str, lease_ms: int) -> float:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
+        lease.deadline = self.clock() + self._lease_s(lease_ms)
+        return lease.deadline
+
+    def release(self, lease_id: str) -> tuple[int, int]:
+        """End a lease: unpin what it read; reclaim what it wrote but never committed."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            if lease_id in self._closed_leases:
+                return 0, 0
+            raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
+        self._close(lease)
+        unpinned = reclaimed = 0
+        for key in lease.pinned:
+            entry = self.entries.get(key)
+            if entry is None:
+                continue
+            if lease.kind == "write":
+                entry.pins -= 1
+                self._drop(entry)
+                reclaimed += 1
+            else:
+                self._unpin(entry)
+                unpinned += 1
+        return unpinned, reclaimed
+
+    def reap(self) -> int:
+        """Lapse leases past their deadline and tails past their TTL; returns how many."""
+        now = self.clock()
+        lapsed = [lid for lid, lease in self.leases.items() if lease.deadline < now and not lease.watching]
+        for lease_id in lapsed:
+            self.release(lease_id)
+        tails = [e for e in self.entries.values() if e.tail_held and e.tail_expires < now]
+        for entry in tails:
+            entry.tail_held = False
+            self._unpin(entry)
+        return len(lapsed)
+
+    # -- views -----------------------------------------------------------------------------
+    def tier_stats(self, tier: str) -> dict:
+        mem = self.tiers[tier]
+        in_tier = [e for e in self.entries.values() if e.tier == tier]
+        return {
+            "capacity_blocks": mem.info.num_slots,
+            "capacity_bytes": mem.nbytes,
+            "used_blocks": len(in_tier),
+            "pinned_blocks": sum(1 for e in in_tier if e.pins > 0),
+            "hits": self.counters.tier_hits[tier],
+            "evictions": self.counters.evictions[tier],
+        }
+
+    def committed_blocks(self) -> list[tuple[bytes, str]]:
+        return [(e.key, e.tier) for e in self.entries.values() if e.committed and not e.is_tail]
+
+    def tier_of(self, key: bytes) -> str | None:
+        entry = self.entries.get(key)
+        return entry.tier if entry is not None and entry.committed else None

@@ -1,0 +1,124 @@
+"""A store client in its own process, for kvstore tests: `python -m tests.kv_peer OP ...`.
+
+Blocks are deterministic from (seed, index), so any process can check what another wrote.
+Prints one JSON line with the result; `hold-*` ops print READY and wait to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+
+import torch
+
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.kv.store_client import StoreClient
+from pdserve.kv.transfer import Transfer
+
+LAYOUT = KVLayout(2, 2, 16, 64, "float32")  # 32 KiB blocks
+PROFILE = HashProfile("f" * 64, LAYOUT)
+LAYOUT_FLAG = "2,2,16,64,float32"
+FINGERPRINT_FLAG = "f" * 64
+
+
+def block_hash(seed: int, i: int) -> bytes:
+    return hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=16).digest()
+
+
+def block_data(seed: int, i: int, nbytes: int = LAYOUT.block_nbytes) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+class Buffers:
+    """Registered local memory holding n blocks (+1 for a tail)."""
+
+    def __init__(self, transfer: Transfer, n: int, nbytes: int = LAYOUT.block_nbytes):
+        self.nbytes = nbytes
+        self.tensor = torch.zeros((n + 1) * nbytes, dtype=torch.uint8)
+        transfer.register(self.tensor)
+
+    def addr(self, i: int) -> int:
+        return self.tensor.data_ptr() + i * self.nbytes
+
+    def block(self, i: int) -> torch.Tensor:
+        return self.tensor[i * self.nbytes : (i + 1) * self.nbytes]
+
+
+async def run(args: argparse.Namespace) -> dict:
+    transfer = Transfer()
+    client = StoreClient(args.store, PROFILE, transfer)
+    await client.connect()
+    hashes = [block_hash(args.seed, i) for i in range(args.start, args.start + args.n)]
+    buf = Buffers(transfer, args.n)
+    tail = f"req-{args.seed}" if args.tail else ""
+    if args.op in ("put", "hold-put"):
+        for j in range(args.n):
+            buf.block(j).copy_(block_data(args.seed, args.start + j))
+        if args.tail:
+            buf.block(args.n).copy_(block_data(args.seed, -1))
+        if args.op == "hold-put":
+            alloc = await client.allocate(hashes, tail)
+            half = len(alloc.slots) // 2
+            await client.write(alloc.slots[:half], [buf.addr(j) for j in range(half)])
+            print("READY", flush=True)
+            await hold(client, alloc.lease_id)
+        res = await client.put(hashes, [buf.addr(j) for j in range(args.n + (1 if tail else 0))], tail,
+                               tail_ttl_ms=30_000)
+        return {"written": res.written, "present": res.present, "pending": res.pending, "slices": res.slices}
+    if args.op == "hold-get":
+        resp = await client.stub.Get(client_get_request(client, hashes, tail))
+        print("READY", resp.lease_id, len(resp.slots), flush=True)
+        await hold(client, resp.lease_id)
+    if args.op == "get":
+        res = await client.get(hashes, [buf.addr(j) for j in range(args.n)], tail, buf.addr(args.n))
+        ok = all(torch.equal(buf.block(j), block_data(args.seed, args.start + j)) for j in range(res.num_blocks))
+        if res.has_tail:
+            ok = ok and torch.equal(buf.block(args.n), block_data(args.seed, -1))
+        return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices}
+    if args.op == "watch":
+        order, ok, lease = [], True, ""
+        print("READY", flush=True)
+        async for ev in client.watch(hashes, tail, timeout_s=args.timeout):
+            lease = ev.lease_id
+            await client.read_slots([ev.slot], [buf.addr(ev.index)])
+            expected = block_data(args.seed, -1 if ev.index == args.n else args.start + ev.index)
+            ok = ok and torch.equal(buf.block(ev.index), expected)
+            order.append(ev.index)
+        await client.release(lease)
+        return {"order": order, "ok": ok}
+    raise SystemExit(f"unknown op {args.op}")
+
+
+async def hold(client: StoreClient, lease_id: str) -> None:
+    """Keep the lease alive, as a live reader or writer does, until killed."""
+    while True:
+        await client.renew(lease_id)
+        await asyncio.sleep(0.2)
+
+
+def client_get_request(client: StoreClient, hashes: list[bytes], tail: str):
+    from pdserve.v1 import kvstore_pb2 as pb
+
+    return pb.GetRequest(profile=client.profile_pb, block_hashes=hashes, tail_key=tail)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("op")
+    p.add_argument("--store", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--tail", action="store_true")
+    p.add_argument("--timeout", type=float, default=30)
+    result = asyncio.run(run(p.parse_args()))
+    print(json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

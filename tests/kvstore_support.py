@@ -1,0 +1,104 @@
+"""Fixtures' helpers for kvstore tests: a store process and an in-process client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from functools import cache
+
+import redis
+
+from pdserve.kv.store_client import StoreClient
+from pdserve.kv.transfer import Transfer
+from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffers, block_data, block_hash
+from tests.support.procs import ROOT, ServiceProcess
+
+BLOCK = LAYOUT.block_nbytes
+
+
+def start_store(redis_url: str, key_prefix: str, device_blocks: int, dram_blocks: int, lease_ms: int = 2000,
+                extra: tuple[str, ...] = ()) -> ServiceProcess:
+    return ServiceProcess(
+        "services.kvstore", "--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG,
+        "--device-bytes", str(device_blocks * BLOCK), "--dram-bytes", str(dram_blocks * BLOCK),
+        "--device", "host", "--lease-ms", str(lease_ms), "--redis-url", redis_url, "--key-prefix", key_prefix,
+        "--grace-s", "1", *extra).start()
+
+
+def peer(op: str, store: str, *flags: str, timeout: float = 60) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.kv_peer", op, "--store", store, *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spawn_peer(op: str, store: str, *flags: str) -> subprocess.Popen:
+    """A peer that prints READY once it holds what it holds; wait for it with `wait_ready`."""
+    return subprocess.Popen([sys.executable, "-m", "tests.kv_peer", op, "--store", store, *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), proc.stderr.read()[-3000:]
+    return line
+
+
+@cache
+def transfer() -> Transfer:
+    return Transfer()
+
+
+@cache
+def local_buffers() -> Buffers:
+    """Registered once per process: registering memory that overlaps a dead registration fails."""
+    return Buffers(transfer(), 64)
+
+
+class LocalClient:
+    """A store client in the test process (the store itself runs in another process)."""
+
+    def __init__(self, address: str):
+        self.client = StoreClient(address, PROFILE, transfer())
+        self.buf = local_buffers()
+        self.call(StoreClient.connect)
+
+    def call(self, coro_fn, *args, **kwargs):
+        """Run one client coroutine on a fresh loop (and a fresh channel, bound to that loop)."""
+        async def go():
+            try:
+                return await coro_fn(self.client, *args, **kwargs)
+            finally:
+                await self.client.close()
+        return asyncio.run(go())
+
+    def put(self, seed: int, indices: list[int]):
+        for j, i in enumerate(indices):
+            self.buf.block(j).copy_(block_data(seed, i))
+        hashes = [block_hash(seed, i) for i in indices]
+        return self.call(StoreClient.put, hashes, [self.buf.addr(j) for j in range(len(indices))])
+
+    def stats(self):
+        return self.call(StoreClient.stats)
+
+
+def tiers_in_redis(redis_url: str, key_prefix: str, seed: int, indices: list[int],
+                   timeout_s: float = 3.0, expect: dict | None = None) -> dict[int, str | None]:
+    """{index: tier} as the store's index in Redis says; waits for `expect` if given."""
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.time() + timeout_s
+    while True:
+        raw = r.hgetall(f"{key_prefix}:index:store")
+        got = {i: (raw.get(block_hash(seed, i).hex().encode()) or b"").decode() or None for i in indices}
+        if expect is None or got == expect or time.time() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def tier_stats(stats) -> dict[str, dict]:
+    names = {1: "device", 2: "dram"}
+    return {names[t.tier]: {"used": t.used_blocks, "pinned": t.pinned_blocks, "evictions": t.evictions}
+            for t in stats.tiers}

@@ -1,0 +1,57 @@
+"""The command-line contract: `pdserve generate --local` and `pdserve bench engine --json`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+
+
+def pdserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_local_json_matches_engine(tiny):
+    out = pdserve("generate", "--local", "--prompt", "Hello pdserve", "--max-tokens", "9", "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    prompt_ids = tiny.tokenizer.encode("Hello pdserve")
+    expected = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
+        [prompt_ids], SamplingParams(max_tokens=9, ignore_eos=True))[0]
+    assert doc["token_ids"] == expected.token_ids
+    assert doc["prompt_tokens"] == len(prompt_ids) == 13
+    assert doc["text"] == tiny.tokenizer.decode(expected.token_ids)
+    assert doc["finish_reason"] == "length" and doc["ttft_ms"] > 0
+
+
+def test_generate_local_streams_text(tiny):
+    out = pdserve("generate", "--local", "--prompt", "abc", "--max-tokens", "5", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    expected = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
+        [tiny.tokenizer.encode("abc")], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.stdout == tiny.tokenizer.decode(expected.token_ids) + "\n"
+
+
+def test_generate_local_bad_input_is_a_clear_error():
+    out = pdserve("generate", "--local", "--prompt", "", "--max-tokens", "5")
+    assert out.returncode == 2 and "prompt is empty" in out.stderr
+    out = pdserve("generate", "--local", "--prompt", "x", "--top-p", "2")
+    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+
+
+def test_bench_engine_json_format():
+    out = pdserve("bench", "engine", "--json", "--prefill-lengths", "32", "--contexts", "32",
+                  "--batches", "1", "16", "--steps", "2", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [p["prompt_tokens"] for p in doc["prefill"]] == [32]
+    assert [(d["batch"], d["context"]) for d in doc["decode"]] == [(1, 32), (16, 32)]
+    names = [t["name"] for t in doc["targets"]]
+    assert names == ["decode_batch16_vs_transformers_min", "prefill_vs_transformers_min"]
+    for t in doc["targets"]:
+        assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
+        assert t["met"] == (t["value"] >= t["target"])

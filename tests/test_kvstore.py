@@ -1,0 +1,296 @@
+"""The KV store over real gRPC, the real Mooncake Transfer Engine and real Redis, in separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+
+from pdserve.kv.store_client import StoreClient
+from pdserve.v1 import common_pb2
+from pdserve.v1 import kvstore_pb2 as pb
+from tests.kv_peer import block_data, block_hash
+from tests.kvstore_support import (
+    BLOCK,
+    LocalClient,
+    peer,
+    spawn_peer,
+    start_store,
+    tier_stats,
+    tiers_in_redis,
+    wait_ready,
+)
+
+
+@pytest.fixture
+def small_store(shared_redis_url, key_prefix):
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4, lease_ms=1000)
+    yield store
+    store.stop()
+
+
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_write_then_read_across_processes_bit_exact(shared_redis_url, key_prefix, n):
+    store = start_store(shared_redis_url, key_prefix, device_blocks=128, dram_blocks=512)
+    try:
+        put = peer("put", store.address, "--seed", "11", "--n", str(n), "--tail")
+        assert put == {"written": n + 1, "present": 0, "pending": 0, "slices": 1 if n + 1 <= 128 else 2}
+        got = peer("get", store.address, "--seed", "11", "--n", str(n), "--tail")
+        assert got == {"num_blocks": n, "has_tail": True, "ok": True, "slices": 1 if n + 1 <= 128 else 2}
+        tiers = tier_stats(LocalClient(store.address).stats())
+        assert tiers["device"]["used"] == min(n + 1, 128) and tiers["dram"]["used"] == max(0, n + 1 - 128)
+        again = peer("put", store.address, "--seed", "11", "--n", str(n))
+        assert again == {"written": 0, "present": n, "pending": 0, "slices": 0}
+    finally:
+        store.stop()
+
+
+def test_eviction_demotion_and_promotion_order(small_store, shared_redis_url, key_prefix):
+    c = LocalClient(small_store.address)
+    c.put(1, [0, 1, 2, 3])  # device: 0 1 2 3
+    c.put(1, [4, 5])  # device LRU 0, 1 demote to DRAM
+    want = {0: "dram", 1: "dram", 2: "device", 3: "device", 4: "device", 5: "device"}
+    assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
+    c.put(1, [6, 7, 8])  # device LRU 2, 3, 4 demote; DRAM: 0 1 2 3 full -> 0 dropped for 4
+    want = {0: None, 1: "dram", 2: "dram", 3: "dram", 4: "dram", 5: "device", 6: "device", 7: "device", 8: "device"}
+    assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
+    # A DRAM hit is served from DRAM, then promoted when released; device LRU (5) demotes in its place.
+    got = c.call(StoreClient.get, [block_hash(1, 1)], [c.buf.addr(0)])
+    assert got.num_blocks == 1 and c.buf.block(0).equal(block_data(1, 1))
+    want = {1: "device", 5: "dram", 6: "device", 2: "dram"}
+    assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
+    s = c.stats()
+    assert tier_stats(s) == {"device": {"used": 4, "pinned": 0, "evictions": 6},
+                             "dram": {"used": 4, "pinned": 0, "evictions": 1}}
+    assert [t.promotions for t in s.tiers] == [1, 0] and s.hits == 1
+
+
+def test_pinned_blocks_survive_and_full_store_refuses(small_store):
+    c = LocalClient(small_store.address)
+    c.put(2, [0, 1, 2, 3])
+    holder_a = spawn_peer("hold-get", small_store.address, "--seed", "2", "--n", "4")
+    holder_b = None
+    try:
+        wait_ready(holder_a)
+        c.put(3, [0, 1, 2, 3])  # device all pinned: spills into DRAM, nothing evicted
+        holder_b = spawn_peer("hold-get", small_store.address, "--seed", "3", "--n", "4")
+        wait_ready(holder_b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            c.put(4, [0])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "store full" in err.value.details()
+        s = tier_stats(c.stats())
+        full = {"used": 4, "pinned": 4, "evictions": 0}
+        assert s == {"device": full, "dram": full}
+        assert peer("get", small_store.address, "--seed", "2", "--n", "4")["ok"]
+    finally:
+        for h in (holder_a, holder_b):
+            if h:
+                h.kill()
+                h.wait()
+
+
+def _wait_for(predicate, timeout_s: float) -> float:
+    start = time.time()
+    while not predicate():
+        assert time.time() - start < timeout_s, "condition not reached in time"
+        time.sleep(0.05)
+    return time.time() - start
+
+
+def test_killed_reader_and_writer_leases_lapse(small_store):
+    c = LocalClient(small_store.address)
+    c.put(5, [0, 1])
+    reader = spawn_peer("hold-get", small_store.address, "--seed", "5", "--n", "2")
+    writer = spawn_peer("hold-put", small_store.address, "--seed", "6", "--n", "1", "--tail")
+    wait_ready(reader)
+    wait_ready(writer)
+    s = c.stats()
+    assert s.active_leases == 2 and tier_stats(s)["device"] == {"used": 4, "pinned": 4, "evictions": 0}
+    reader.send_signal(signal.SIGKILL)
+    writer.send_signal(signal.SIGKILL)
+    reader.wait()
+    writer.wait()
+    # Lease TTL is 1 s here: within TTL + 2 s everything is back to baseline (2 committed, unpinned).
+    elapsed = _wait_for(lambda: c.stats().active_leases == 0, 3.0)
+    assert elapsed < 3.0
+    assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
+    assert peer("get", small_store.address, "--seed", "6", "--n", "1") == {
+        "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0}
+
+
+def test_two_writers_of_the_same_blocks(shared_redis_url, key_prefix):
+    store = start_store(shared_redis_url, key_prefix, device_blocks=64, dram_blocks=64)
+    try:
+        procs = [spawn_peer("put", store.address, "--seed", "9", "--n", "20") for _ in range(2)]
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
+            results.append(__import__("json").loads(out.strip().splitlines()[-1]))
+        assert sum(r["written"] for r in results) == 20  # one copy of each block
+        assert tier_stats(LocalClient(store.address).stats())["device"]["used"] == 20
+        assert peer("get", store.address, "--seed", "9", "--n", "20")["ok"]
+    finally:
+        store.stop()
+
+
+def test_watch_is_told_of_each_commit(small_store):
+    c = LocalClient(small_store.address)
+    seed, n = 12, 3
+    hashes = [block_hash(seed, i) for i in range(n)]
+    for i in range(n):
+        c.buf.block(i).copy_(block_data(seed, i))
+
+    async def scenario(client: StoreClient):
+        events: list[int] = []
+        watch = client.watch(hashes, timeout_s=10)
+        first = asyncio.ensure_future(anext(watch))
+        alloc = await client.allocate(hashes)
+        for i in range(n):
+            await asyncio.sleep(0.2)
+            assert len(events) == i  # nothing arrives before its commit
+            await client.write([alloc.slots[i]], [c.buf.addr(i)])
+            await client.commit(alloc.lease_id, [hashes[i]])
+            ev = await asyncio.wait_for(first if i == 0 else anext(watch), 5)
+            events.append(ev.index)
+            await client.read_slots([ev.slot], [c.buf.addr(32 + ev.index)])
+            assert c.buf.block(32 + ev.index).equal(block_data(seed, ev.index))
+        stats = await client.stats()
+        await client.release(ev.lease_id)
+        await watch.aclose()
+        return events, stats
+
+    events, stats = c.call(scenario)
+    assert events == [0, 1, 2]
+    assert stats.watchers == 0 and tier_stats(stats)["device"]["pinned"] == 3
+    assert c.stats().active_leases == 0 and tier_stats(c.stats())["device"]["pinned"] == 0
+
+
+def test_watch_cancelled_releases_its_pins(small_store):
+    c = LocalClient(small_store.address)
+    c.put(13, [0])
+    hashes = [block_hash(13, 0), block_hash(13, 1)]
+
+    async def scenario(client: StoreClient):
+        watch = client.watch(hashes, timeout_s=10)
+        ev = await anext(watch)
+        assert ev.index == 0
+        await watch.aclose()  # gone before block 1 ever came
+        await asyncio.sleep(0.3)
+        return await client.stats()
+
+    stats = c.call(scenario)
+    assert stats.watchers == 0 and stats.active_leases == 0 and tier_stats(stats)["device"]["pinned"] == 0
+
+
+def test_bytes_path_and_cross_path(small_store):
+    c = LocalClient(small_store.address)
+    data = b"".join(bytes(block_data(20, i).numpy()) for i in range(3))
+    hashes = [block_hash(20, i) for i in range(3)]
+    resp = c.call(StoreClient.put_bytes, hashes, data + bytes(block_data(20, -1).numpy()), tail_key="req-20",
+                  tail_lease_ms=5000, chunk_bytes=7000)
+    assert (resp.written, resp.already_present) == (4, 0)
+    assert peer("get", small_store.address, "--seed", "20", "--n", "3", "--tail") == {
+        "num_blocks": 3, "has_tail": True, "ok": True, "slices": 1}
+    c.put(21, [0, 1])
+    n, has_tail, got = c.call(StoreClient.get_bytes, [block_hash(21, 0), block_hash(21, 1), block_hash(21, 9)])
+    assert (n, has_tail) == (2, False) and got == b"".join(bytes(block_data(21, i).numpy()) for i in range(2))
+    assert c.stats().active_leases == 0
+
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        fn()
+    return err.value.code(), err.value.details()
+
+
+def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
+    from tests.support.procs import SERVING, health
+
+    c = LocalClient(small_store.address)
+    INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+    async def alloc(client, **kw):
+        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=client.profile_pb, **kw))
+
+    async def wrong_layout(client):
+        prof = common_pb2.HashProfile()
+        prof.CopyFrom(client.profile_pb)
+        prof.layout.block_size = 32
+        return await client.stub.Get(pb.GetRequest(profile=prof, block_hashes=[block_hash(1, 0)]))
+
+    async def wrong_model(client):
+        prof = common_pb2.HashProfile()
+        prof.CopyFrom(client.profile_pb)
+        prof.model_fingerprint = "0" * 64
+        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=prof, block_hashes=[block_hash(1, 0)]))
+
+    assert _code(lambda: c.call(wrong_layout)) == (INVALID, "hash profile mismatch: KV layout differs: "
+                                                   "L2x2xH2xB32xD64:float32 vs L2x2xH2xB16xD64:float32")
+    assert _code(lambda: c.call(wrong_model))[0] == INVALID
+    code, msg = _code(lambda: c.call(alloc, block_hashes=[b"short"]))
+    assert code == INVALID and "malformed block hash at index 0: 5 bytes" in msg
+    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, i) for i in range(70_000)]))
+    assert code == INVALID and "too many blocks in one request: 70000 > 65536" in msg
+    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, i) for i in range(9)]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "9 blocks requested, 8 can be made free" in msg
+    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, 0), block_hash(1, 0)]))
+    assert code == INVALID and "repeat" in msg
+    code, msg = _code(lambda: c.call(StoreClient.commit, "w999"))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown or lapsed" in msg
+    code, msg = _code(lambda: c.call(StoreClient.release, "r999"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, msg = _code(lambda: c.call(StoreClient.put_bytes, [block_hash(1, 0)], b"x" * (BLOCK - 1)))
+    assert code == INVALID and f"got {BLOCK - 1} bytes, expected {BLOCK}" in msg
+    alloc_ok = c.call(StoreClient.allocate, [block_hash(1, 0)])
+    code, msg = _code(lambda: c.call(StoreClient.commit, alloc_ok.lease_id, [block_hash(1, 5)]))
+    assert code == grpc.StatusCode.NOT_FOUND and "not part of write lease" in msg
+    c.call(StoreClient.release, alloc_ok.lease_id)
+
+    assert health(small_store.address) == SERVING
+    s = c.stats()
+    assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 0, "pinned": 0, "evictions": 0}
+    c.put(1, [0, 1])
+    assert peer("get", small_store.address, "--seed", "1", "--n", "2")["ok"]
+
+
+def test_commit_is_idempotent(small_store):
+    c = LocalClient(small_store.address)
+    hashes = [block_hash(30, 0), block_hash(30, 1)]
+
+    async def scenario(client):
+        alloc = await client.allocate(hashes)
+        await client.write(alloc.slots, [c.buf.addr(0), c.buf.addr(1)])
+        first = await client.commit(alloc.lease_id, [hashes[0]])
+        again = await client.commit(alloc.lease_id, [hashes[0]])
+        rest = await client.commit(alloc.lease_id)
+        after = await client.commit(alloc.lease_id)
+        return [(r.committed, r.lease_closed) for r in (first, again, rest, after)]
+
+    assert c.call(scenario) == [(1, False), (0, False), (1, True), (0, True)]
+
+
+def test_redis_down_store_serves_and_index_is_rebuilt(private_redis, key_prefix):
+    store = start_store(private_redis.url, key_prefix, device_blocks=16, dram_blocks=16)
+    try:
+        c = LocalClient(store.address)
+        c.put(40, [0, 1])
+        want = {0: "device", 1: "device"}
+        assert tiers_in_redis(private_redis.url, key_prefix, 40, [0, 1], expect=want) == want
+        private_redis.stop()
+        c.put(40, [2, 3])
+        assert peer("get", store.address, "--seed", "40", "--n", "4")["ok"]
+        _wait_for(lambda: not c.stats().redis_connected, 5)
+        private_redis.start()  # same port, empty
+        want = {i: "device" for i in range(4)}
+        assert tiers_in_redis(private_redis.url, key_prefix, 40, list(range(4)), timeout_s=10, expect=want) == want
+        assert c.stats().redis_connected
+        r = redis.Redis.from_url(private_redis.url)
+        assert 0 < r.ttl(f"{key_prefix}:index:store") <= 600
+    finally:
+        store.stop()

@@ -1,0 +1,86 @@
+"""Generated stubs are fresh; services report health and drain on SIGTERM."""
+
+from __future__ import annotations
+
+import filecmp
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.kvstore_support import start_store
+from tests.support.procs import ROOT, SERVING, health
+
+
+def test_checked_in_stubs_match_the_generator(tmp_path):
+    subprocess.run([sys.executable, "scripts/gen_protos.py", "--out", str(tmp_path)], cwd=ROOT, check=True)
+    fresh = tmp_path / "pdserve" / "v1"
+    checked_in = ROOT / "pdserve" / "v1"
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == sorted(p.name for p in checked_in.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
+    stale = [n for n in names if not filecmp.cmp(fresh / n, checked_in / n, shallow=False)]
+    assert stale == [], f"stale stubs {stale}: run scripts/gen_protos.py"
+    assert len([n for n in names if n.endswith(".pyi")]) == 5
+
+
+def test_health_serving_then_not_serving_on_sigterm(shared_redis_url, key_prefix):
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        assert health(store.address) == SERVING
+        assert health(store.address, "pdserve.v1.KVStore") == SERVING
+        seen: list[int] = []
+        first = threading.Event()
+        channel = grpc.insecure_channel(store.address)
+        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=20)
+
+        def watch():
+            try:
+                for msg in stream:
+                    seen.append(msg.status)
+                    first.set()
+            except grpc.RpcError:
+                pass
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        assert first.wait(10)
+        store.signal(signal.SIGTERM)
+        assert store.proc.wait(15) == 0
+        t.join(10)
+        channel.close()
+        assert seen == [SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
+        assert '"shutting down"' in store.log() or "shutting down" in store.log()
+    finally:
+        store.stop()
+
+
+def test_reflection_lists_services(shared_redis_url, key_prefix):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        with grpc.insecure_channel(store.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in resp.list_services_response.service}
+        assert {"pdserve.v1.KVStore", "grpc.health.v1.Health"} <= names
+    finally:
+        store.stop()
+
+
+def test_no_service_imports_another_and_engine_imports_no_grpc():
+    for path in (ROOT / "services").rglob("*.py"):
+        own = path.relative_to(ROOT / "services").parts[0]
+        text = path.read_text()
+        for other in ("router", "prefill", "decode", "kvstore"):
+            if other != own:
+                assert f"services.{other}" not in text, f"{path} imports services.{other}"
+    for pkg in ("engine", "model"):
+        for path in (ROOT / "pdserve" / pkg).rglob("*.py"):
+            text = path.read_text()
+            assert "import grpc" not in text and "import redis" not in text, path
+    assert Path(ROOT / "pdserve" / "v1" / "__init__.py").exists()
