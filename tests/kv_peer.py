@@ -15,7 +15,7 @@ import sys
 import torch
 
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.store_client import StoreClient
+from pdserve.kv.store_client import StoreClient, slot_from_pb
 from pdserve.kv.transfer import Transfer
 
 LAYOUT = KVLayout(2, 2, 16, 64, "float32")  # 32 KiB blocks
@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict:
                                tail_ttl_ms=30_000)
         return {"written": res.written, "present": res.present, "pending": res.pending, "slices": res.slices}
     if args.op == "hold-get":
-        resp = await client.stub.Get(client_get_request(client, hashes, tail))
+        resp = await client.pin(hashes, tail)
         print("READY", resp.lease_id, len(resp.slots), flush=True)
         await hold(client, resp.lease_id)
     if args.op == "get":
@@ -84,7 +84,7 @@ async def run(args: argparse.Namespace) -> dict:
         print("READY", flush=True)
         async for ev in client.watch(hashes, tail, timeout_s=args.timeout):
             lease = ev.lease_id
-            await client.read_slots([ev.slot], [buf.addr(ev.index)])
+            await client.read_slots([slot_from_pb(ev.slot)], [buf.addr(ev.index)])
             expected = block_data(args.seed, -1 if ev.index == args.n else args.start + ev.index)
             ok = ok and torch.equal(buf.block(ev.index), expected)
             order.append(ev.index)
@@ -98,12 +98,6 @@ async def hold(client: StoreClient, lease_id: str) -> None:
     while True:
         await client.renew(lease_id)
         await asyncio.sleep(0.2)
-
-
-def client_get_request(client: StoreClient, hashes: list[bytes], tail: str):
-    from pdserve.v1 import kvstore_pb2 as pb
-
-    return pb.GetRequest(profile=client.profile_pb, block_hashes=hashes, tail_key=tail)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import redis
 
-from pdserve.kv.store_client import StoreClient
+from pdserve.kv.store_client import StoreClient, slot_from_pb
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_data, block_hash
@@ -158,7 +158,7 @@ def test_watch_is_told_of_each_commit(small_store):
             await client.commit(alloc.lease_id, [hashes[i]])
             ev = await asyncio.wait_for(first if i == 0 else anext(watch), 5)
             events.append(ev.index)
-            await client.read_slots([ev.slot], [c.buf.addr(32 + ev.index)])
+            await client.read_slots([slot_from_pb(ev.slot)], [c.buf.addr(32 + ev.index)])
             assert c.buf.block(32 + ev.index).equal(block_data(seed, ev.index))
         stats = await client.stats()
         await client.release(ev.lease_id)

@@ -70,6 +70,15 @@ def hf_decode(hf, loaded: LoadedModel, batch: int, context: int, steps: int) -> 
     return batch * steps / (_hf_generate(hf, ids, steps + 1) - _hf_generate(hf, ids, 1))
 
 
+def _interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
+    """Median of `repeats` alternating runs, so machine noise hits both sides alike."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(ours())
+        b.append(theirs())
+    return median(a), median(b)
+
+
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,14 +88,16 @@ def run(args: argparse.Namespace) -> None:
                      "decode_steps": args.steps, "prefill": [], "decode": []}
     lines = [f"engine bench: model={args.model} dtype={args.dtype} threads={torch.get_num_threads()}"]
     for n in args.prefill_lengths:
-        ours, theirs = ours_prefill(loaded, n, args.repeats), hf_prefill(hf, loaded, n, args.repeats)
+        ours, theirs = _interleaved(lambda n=n: ours_prefill(loaded, n, 1), lambda n=n: hf_prefill(hf, loaded, n, 1),
+                                    args.repeats)
         figures["prefill"].append({"prompt_tokens": n, "pdserve_tok_s": round(ours, 1),
                                    "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 3)})
         lines.append(f"prefill {n:>5} tok: pdserve {ours:9.0f} tok/s  transformers {theirs:9.0f} tok/s  "
                      f"ratio {ours / theirs:.2f}")
     for ctx in args.contexts:
         for b in args.batches:
-            ours, theirs = ours_decode(loaded, b, ctx, args.steps), hf_decode(hf, loaded, b, ctx, args.steps)
+            ours, theirs = _interleaved(lambda b=b, c=ctx: ours_decode(loaded, b, c, args.steps),
+                                        lambda b=b, c=ctx: hf_decode(hf, loaded, b, c, args.steps), args.repeats)
             figures["decode"].append({"batch": b, "context": ctx, "pdserve_tok_s": round(ours, 1),
                                       "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 3)})
             lines.append(f"decode batch {b:>3} ctx {ctx:>5}: pdserve {ours:8.0f} tok/s  transformers "

@@ -32,9 +32,31 @@ class GetResult:
 
 
 @dataclass(frozen=True)
+class SlotInfo:
+    address: int
+    tier: int  # pb.Tier
+    state: int  # pb.SlotState
+
+
+def slots_from_pb(m: pb.SlotList) -> list[SlotInfo]:
+    return [SlotInfo(a, t, s) for a, t, s in zip(m.addresses, m.tiers, m.states, strict=True)]
+
+
+def slot_from_pb(m: pb.Slot) -> SlotInfo:
+    return SlotInfo(m.address, m.tier, m.state)
+
+
+@dataclass(frozen=True)
 class Allocation:
     lease_id: str
-    slots: list[pb.Slot]  # one per hash, then the tail's
+    slots: list[SlotInfo]  # one per hash, then the tail's
+
+
+@dataclass(frozen=True)
+class Pinned:
+    lease_id: str  # empty when nothing was found
+    slots: list[SlotInfo]  # the longest stored prefix
+    tail: SlotInfo | None
 
 
 class StoreClient:
@@ -75,9 +97,9 @@ class StoreClient:
         resp = await self.stub.AllocatePut(pb.AllocatePutRequest(
             profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id), timeout=self.timeout_s)
-        return Allocation(resp.lease_id, list(resp.slots))
+        return Allocation(resp.lease_id, slots_from_pb(resp.slots))
 
-    async def write(self, slots: Sequence[pb.Slot], local_addrs: Sequence[int]) -> int:
+    async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
         """Write the blocks whose slot says WRITE; returns the slices used."""
         spans = [Span(local, slot.address, self.block_nbytes)
                  for slot, local in zip(slots, local_addrs, strict=True) if slot.state == pb.SLOT_STATE_WRITE]
@@ -104,23 +126,30 @@ class StoreClient:
     async def get(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   tail_addr: int | None = None, request_id: str = "", lease_ms: int = 0) -> GetResult:
         """Read the longest stored prefix of `hashes` (and the tail) into local memory."""
+        pinned = await self.pin(hashes, tail_key, request_id, lease_ms)
+        if not pinned.lease_id:
+            return GetResult(0, False, 0)
+        try:
+            # The prefix found may be shorter than local_addrs.
+            spans = [Span(local, slot.address, self.block_nbytes)
+                     for slot, local in zip(pinned.slots, local_addrs, strict=False)]
+            if pinned.tail is not None:
+                if tail_addr is None:
+                    raise ValueError("the store has a tail block but no tail_addr was given")
+                spans.append(Span(tail_addr, pinned.tail.address, self.block_nbytes))
+            slices = await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
+        finally:
+            await self.release(pinned.lease_id)
+        return GetResult(len(pinned.slots), pinned.tail is not None, slices)
+
+    async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
+                  lease_ms: int = 0) -> Pinned:
+        """Pin the longest stored prefix under a lease (release it, or it lapses)."""
         resp = await self.stub.Get(pb.GetRequest(
             profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id), timeout=self.timeout_s)
-        if not resp.lease_id:
-            return GetResult(0, False, 0)
-        try:
-            pairs = zip(resp.slots, local_addrs, strict=False)  # the prefix found may be shorter
-            spans = [Span(local, slot.address, self.block_nbytes) for slot, local in pairs]
-            has_tail = resp.HasField("tail")
-            if has_tail:
-                if tail_addr is None:
-                    raise ValueError("the store has a tail block but no tail_addr was given")
-                spans.append(Span(tail_addr, resp.tail.address, self.block_nbytes))
-            slices = await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
-        finally:
-            await self.release(resp.lease_id)
-        return GetResult(len(resp.slots), has_tail, slices)
+        tail = slot_from_pb(resp.tail) if resp.HasField("tail") else None
+        return Pinned(resp.lease_id, slots_from_pb(resp.slots), tail)
 
     async def watch(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                     lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[pb.WatchEvent]:
@@ -134,7 +163,7 @@ class StoreClient:
         finally:
             call.cancel()
 
-    async def read_slots(self, slots: Sequence[pb.Slot], local_addrs: Sequence[int]) -> int:
+    async def read_slots(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
         spans = [Span(local, s.address, self.block_nbytes) for s, local in zip(slots, local_addrs, strict=True)]
         return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
 

@@ -28,6 +28,16 @@ SLOT_STATE_WRITE: SlotState
 SLOT_STATE_PRESENT: SlotState
 SLOT_STATE_PENDING: SlotState
 
+class SlotList(_message.Message):
+    __slots__ = ("addresses", "tiers", "states")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    tiers: bytes
+    states: bytes
+    def __init__(self, addresses: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ..., states: _Optional[bytes] = ...) -> None: ...
+
 class Slot(_message.Message):
     __slots__ = ("key", "address", "tier", "state")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,9 +90,9 @@ class AllocatePutResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    slots: SlotList
     lease_deadline_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CommitPutRequest(_message.Message):
     __slots__ = ("lease_id", "keys", "tail_ttl_ms")
@@ -123,10 +133,10 @@ class GetResponse(_message.Message):
     TAIL_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    slots: SlotList
     tail: Slot
     lease_deadline_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., tail: _Optional[_Union[Slot, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., tail: _Optional[_Union[Slot, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id")

@@ -26,6 +26,11 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
     return pb.Slot(key=ref.key, address=ref.address, tier=_TIER[ref.tier], state=_STATE[ref.state])
 
 
+def _slots_pb(refs: list[SlotRef]) -> pb.SlotList:
+    return pb.SlotList(addresses=[r.address for r in refs], tiers=bytes(_TIER[r.tier] for r in refs),
+                       states=bytes(_STATE[r.state] for r in refs))
+
+
 def _unix_ms(deadline_monotonic: float) -> int:
     return int((time.time() + deadline_monotonic - time.monotonic()) * 1000)
 
@@ -58,7 +63,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def AllocatePut(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
-        return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=[_slot_pb(r) for r in refs],
+        return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
                                       lease_deadline_unix_ms=_unix_ms(lease.deadline))
 
     async def CommitPut(self, request, context):
@@ -71,7 +76,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
         if lease is None:
             return pb.GetResponse()
-        return pb.GetResponse(lease_id=lease.lease_id, slots=[_slot_pb(r) for r in refs],
+        return pb.GetResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
                               tail=_slot_pb(tail) if tail else None,
                               lease_deadline_unix_ms=_unix_ms(lease.deadline))
 

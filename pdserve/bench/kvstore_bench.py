@@ -1,0 +1,163 @@
+"""`pdserve bench kvstore`: put/get through the store vs the raw transfer engine vs gRPC bytes.
+
+All three move the same bytes between the same two processes (this one and a store process)
+in the same run. Store put = AllocatePut + transfer-engine write + CommitPut; store get =
+Get + transfer-engine read + ReleaseLease; raw = one transfer-engine slice, no control plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import os
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.report import Target, emit
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.kv.store_client import StoreClient
+from pdserve.kv.transfer import Span, Transfer
+from pdserve.launch import ServiceProcess
+from pdserve.model.loader import load_model
+
+GB = 1e9
+_counter = itertools.count()
+
+
+def _layouts(block_size: int) -> dict[str, HashProfile]:
+    tiny = load_model("tiny")
+    return {
+        "tiny": HashProfile(tiny.fingerprint, KVLayout.for_model(tiny.config, block_size, tiny.dtype)),
+        "7b": HashProfile("7b-shaped-" + "0" * 54, KVLayout(32, 8, block_size, 128, "bfloat16")),
+    }
+
+
+def _hashes(n: int) -> list[bytes]:
+    run = next(_counter)
+    return [hashlib.blake2b(f"{os.getpid()}:{run}:{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+async def _timed(coro) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    result = await coro
+    return time.perf_counter() - t0, result
+
+
+async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor, n: int, repeats: int) -> dict:
+    nbytes = client.block_nbytes
+    addrs = [local.data_ptr() + i * nbytes for i in range(n)]
+    total = n * nbytes
+    ctrl = {"allocate": [], "commit": [], "get": [], "release": []}
+    put_s, get_s, raw_w, raw_r, slices = [], [], [], [], []
+    for _ in range(repeats):
+        hashes = _hashes(n)
+        t0 = time.perf_counter()
+        dt, alloc = await _timed(client.allocate(hashes))
+        ctrl["allocate"].append(dt)
+        slices.append(await client.write(alloc.slots, addrs))
+        dt, _ = await _timed(client.commit(alloc.lease_id))
+        ctrl["commit"].append(dt)
+        put_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dt, resp = await _timed(client.pin(hashes))
+        ctrl["get"].append(dt)
+        await client.read_slots(resp.slots, addrs)
+        dt, _ = await _timed(client.release(resp.lease_id))
+        ctrl["release"].append(dt)
+        get_s.append(time.perf_counter() - t0)
+        # Raw engine: the same bytes, the same two processes, one slice, no control plane.
+        base = resp.slots[0].address
+        if all(s.address == base + i * nbytes for i, s in enumerate(resp.slots)):
+            span = [Span(local.data_ptr(), base, total)]
+            raw_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
+            raw_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
+    grpc_put, grpc_get = [], []
+    data = local[:total].numpy().tobytes()
+    for _ in range(max(1, repeats // 2)):
+        hashes = _hashes(n)
+        grpc_put.append((await _timed(client.put_bytes(hashes, data)))[0])
+        grpc_get.append((await _timed(client.get_bytes(hashes)))[0])
+    med = statistics.median
+    out = {
+        "blocks": n, "bytes": total, "slices_per_put": med(slices),
+        "store_put_gbps": total / med(put_s) / GB, "store_get_gbps": total / med(get_s) / GB,
+        "grpc_put_gbps": total / med(grpc_put) / GB, "grpc_get_gbps": total / med(grpc_get) / GB,
+        "control_plane_p50_ms": {k: med(v) * 1e3 for k, v in ctrl.items()},
+    }
+    if raw_w:
+        out |= {"raw_write_gbps": total / med(raw_w) / GB, "raw_read_gbps": total / med(raw_r) / GB}
+        out |= {"put_vs_raw": out["store_put_gbps"] / out["raw_write_gbps"],
+                "get_vs_raw": out["store_get_gbps"] / out["raw_read_gbps"]}
+    return out
+
+
+async def _bench_layout(name: str, profile: HashProfile, tokens: list[int], args, transfer: Transfer) -> list[dict]:
+    lay = profile.layout
+    max_blocks = max(tokens) // lay.block_size
+    store = ServiceProcess(
+        "services.kvstore", "--kv-layout",
+        f"{lay.num_layers},{lay.num_kv_heads},{lay.block_size},{lay.head_dim},{lay.dtype}",
+        "--model-fingerprint", profile.model_fingerprint, "--device", "host",
+        "--device-bytes", str(2 * max_blocks * lay.block_nbytes), "--dram-bytes", str(lay.block_nbytes * 16),
+        "--redis-url", args.redis_url, "--key-prefix", f"pdbench-{os.getpid()}", name=f"kvstore-{name}").start()
+    try:
+        client = StoreClient(store.address, profile, transfer, timeout_s=120)
+        await client.connect()
+        local = torch.randint(0, 256, (max_blocks * lay.block_nbytes,), dtype=torch.uint8)
+        transfer.register(local)
+        rows = []
+        for t in tokens:
+            n = t // lay.block_size
+            repeats = args.repeats if n * lay.block_nbytes < 512 * 2**20 else max(1, args.repeats // 3)
+            row = {"layout": name, "tokens": t, "block_nbytes": lay.block_nbytes,
+                   **await _measure(client, transfer, local, n, repeats)}
+            rows.append(row)
+        await client.close()
+        return rows
+    finally:
+        store.stop()
+
+
+def _line(r: dict) -> str:
+    raw = (f"raw w/r {r['raw_write_gbps']:.2f}/{r['raw_read_gbps']:.2f}  store/raw put {r['put_vs_raw']:.2f} "
+           f"get {r['get_vs_raw']:.2f}") if "raw_write_gbps" in r else "raw n/a (slots not contiguous)"
+    cp = r["control_plane_p50_ms"]
+    return (f"{r['layout']:>4} {r['tokens']:>6} tok {r['bytes'] / 2**20:8.1f} MiB: store put {r['store_put_gbps']:.2f} "
+            f"get {r['store_get_gbps']:.2f} GB/s  {raw}  grpc put {r['grpc_put_gbps']:.2f} get "
+            f"{r['grpc_get_gbps']:.2f}  ctrl p50 ms alloc {cp['allocate']:.2f} commit {cp['commit']:.2f} "
+            f"get {cp['get']:.2f} release {cp['release']:.2f}")
+
+
+def run(args: argparse.Namespace) -> None:
+    from pdserve import logs
+
+    logs.configure("bench", level="WARNING")
+    transfer = Transfer()
+    rows: list[dict] = []
+    for name, profile in _layouts(args.block_size).items():
+        if name in args.layouts:
+            rows += asyncio.run(_bench_layout(name, profile, args.tokens, args, transfer))
+    big = [r for r in rows if r["tokens"] >= 1024 and "put_vs_raw" in r]
+    targets = []
+    if big:
+        targets.append(Target("store_put_vs_raw_min_ge1024", min(r["put_vs_raw"] for r in big), "x", 0.7, ">="))
+        targets.append(Target("store_get_vs_raw_min_ge1024", min(r["get_vs_raw"] for r in big), "x", 0.7, ">="))
+    if rows:
+        worst = max(max(r["control_plane_p50_ms"].values()) for r in rows)
+        targets.append(Target("control_plane_per_call_p50_max", worst, "ms", 1.0, "<="))
+    emit({"rows": rows, "block_size": args.block_size}, targets, args.json, [_line(r) for r in rows])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("kvstore", help="store put/get GB/s vs the raw transfer engine and the gRPC-bytes path")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    p.add_argument("--layouts", nargs="+", default=["tiny", "7b"], choices=["tiny", "7b"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

@@ -1,0 +1,124 @@
+"""Start pdserve service processes and know when they serve (used by `pdserve up`, benches, tests)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_reachable(url: str = "redis://127.0.0.1:6379/0") -> bool:
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """A redis-server of our own on a free port; stopped by its pid, never anyone else's."""
+
+    def __init__(self, port: int | None = None) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
+        self.exe = exe
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 10
+        while not redis_reachable(self.url):
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+class ServiceProcess:
+    """`python -m <module>` with flags; its port is known once the service is serving."""
+
+    def __init__(self, module: str, *flags: str, env: dict[str, str] | None = None, name: str | None = None):
+        self.name = name or module.rsplit(".", 1)[-1]
+        self.tmp = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
+        self.port_file = os.path.join(self.tmp, "port")
+        self.log_path = os.path.join(self.tmp, "log")
+        self.args = [sys.executable, "-m", module, "--port-file", self.port_file, *flags]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def spawn(self) -> ServiceProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120) -> ServiceProcess:
+        deadline = time.time() + timeout_s
+        while not os.path.exists(self.port_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.name} did not become ready in {timeout_s}s:\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+        self.port = int(Path(self.port_file).read_text())
+        return self
+
+    def start(self, timeout_s: float = 120) -> ServiceProcess:
+        return self.spawn().wait_ready(timeout_s)
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text() if os.path.exists(self.log_path) else ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log:
+            self._log.close()
+            self._log = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
