@@ -149,11 +149,10 @@ def test_import_reuses_local_prefix_blocks(tiny, reference):
     de.import_kv(kv, GREEDY)
     first_pages = de.scheduler.seqs["req"].block_table[:3]
     run_all(de)
-    seq_reserved = de.scheduler.reserve_imported
-    num_local = []
-    de.scheduler.reserve_imported = lambda s: num_local.append(seq_reserved(s)) or num_local[-1]
-    de.import_kv(kv, GREEDY, request_id="again")
-    assert num_local == [3]
+    reservation = de.reserve("again", kv.prompt_ids, GREEDY)
+    assert reservation.num_cached_blocks == 3 and reservation.block_table[:3] == first_pages
+    de.kv_cache.write_blocks(reservation.block_table[3:4], kv.data[3:])
+    de.activate("again", kv.first_token, kv.first_logprob)
     assert de.scheduler.seqs["again"].block_table[:3] == first_pages
     assert run_all(de)["again"] == reference[n][1:]
 
@@ -183,7 +182,7 @@ def test_decode_admission_refuses_when_pages_short(tiny):
     de = LLMEngine(tiny, EngineConfig(num_blocks=6, role=Role.DECODE))
     de.import_kv(_prefill_export(tiny, prompt(40)), SamplingParams(max_tokens=20), request_id="a")
     assert de.scheduler.pool.num_used_blocks == 4  # 40 + 20 - 1 slots
-    with pytest.raises(OutOfPagesError, match="decode has 2 free KV pages, request needs 4"):
+    with pytest.raises(OutOfPagesError, match="2 free KV pages, request needs 4"):
         de.import_kv(_prefill_export(tiny, prompt(40, salt=3)), SamplingParams(max_tokens=20), request_id="b")
     assert de.scheduler.pool.num_used_blocks == 4 and list(de.scheduler.seqs) == ["a"]
     assert len(run_all(de)["a"]) == 19 and de.scheduler.pool.num_used_blocks == 0

@@ -35,6 +35,15 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_table: list[int]  # pages: prompt blocks first
+    num_cached_blocks: int  # leading prompt blocks already here (reused from the prefix cache)
+    cached_hashes: list[BlockHash]
+    prompt_hashes: list[BlockHash]  # every full prompt block
+
+
+@dataclass(frozen=True)
 class KVExport:
     """A prefilled sequence's KV, ready to continue elsewhere: every prompt block, the tail included."""
 
@@ -59,6 +68,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.profile, loaded.config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self._ids = itertools.count()
+        self.last_progress: dict[str, int] = {}
 
     @property
     def block_size(self) -> int:
@@ -94,7 +104,10 @@ class LLMEngine:
         for chunk in output.chunks:
             if chunk.sample and chunk.seq.first_token_time is None:
                 chunk.seq.first_token_time = now
-        return self.scheduler.update(output, sampled)
+        events = self.scheduler.update(output, sampled)
+        # Tokens with K/V in the pages, per sequence stepped: prefill workers ship full blocks from it.
+        self.last_progress = {c.seq.request_id: c.seq.num_computed_tokens for c in output.chunks}
+        return events
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -151,17 +164,53 @@ class LLMEngine:
         reason = self.profile.mismatch(kv.profile)
         if reason:
             raise ValueError(f"KV import refused: {reason}")
-        seq = self._new_sequence(request_id or kv.request_id, kv.prompt_ids, params)
-        expected = (seq.blocks_for(seq.num_prompt_tokens), *self.profile.layout.block_shape)
+        rid = request_id or kv.request_id
+        expected = (-(-len(kv.prompt_ids) // self.block_size), *self.profile.layout.block_shape)
         if tuple(kv.data.shape) != expected:
             raise ValueError(f"KV import refused: data shape {tuple(kv.data.shape)}, expected {expected}")
         if kv.data.dtype != self.kv_cache.tensor.dtype:
             raise ValueError(f"KV import refused: dtype {kv.data.dtype}, expected {self.kv_cache.tensor.dtype}")
         if list(kv.block_hashes) != block_hashes(kv.prompt_ids, self.profile):
             raise ValueError("KV import refused: block hashes do not match the prompt tokens")
-        if not 0 <= kv.first_token < self.model.config.vocab_size:
-            raise ValueError(f"KV import refused: first token {kv.first_token} outside the vocabulary")
-        num_local = self.scheduler.reserve_imported(seq)
-        missing = list(range(num_local, expected[0]))
-        self.kv_cache.write_blocks([seq.block_table[i] for i in missing], kv.data[num_local:])
-        return self.scheduler.activate_imported(seq, kv.first_token, kv.first_logprob)
+        reservation = self.reserve(rid, kv.prompt_ids, params)
+        start = reservation.num_cached_blocks
+        self.kv_cache.write_blocks(reservation.block_table[start : expected[0]], kv.data[start:])
+        return self.activate(rid, kv.first_token, kv.first_logprob)
+
+    # -- handoff in steps (the workers fill pages straight from the store) -------------------
+    def reserve(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> Reservation:
+        """Take pages for a request whose leading blocks will be filled from outside.
+
+        Prefill role: pages for the prompt; the caller loads blocks, then `start_compute`.
+        Decode role: pages for prompt + max_tokens; the caller imports every prompt block, then
+        `activate`. Raises ValueError for bad input, OutOfPagesError when pages are short now.
+        """
+        seq = self._new_sequence(request_id, prompt_ids, params)
+        num_cached = self.scheduler.reserve(seq, needs_logits=self.config.role == Role.PREFILL)
+        return Reservation(request_id, list(seq.block_table), num_cached, list(seq.block_hashes),
+                           block_hashes(seq.prompt_ids, self.profile))
+
+    def start_compute(self, request_id: str, num_loaded_blocks: int) -> None:
+        seq = self._reserved(request_id)
+        self.scheduler.mark_loaded(seq, num_loaded_blocks)
+        self.scheduler.start_compute(seq)
+
+    def activate(self, request_id: str, first_token: int, first_logprob: float) -> TokenEvent:
+        if not 0 <= first_token < self.model.config.vocab_size:
+            raise ValueError(f"first token {first_token} outside the vocabulary")
+        return self.scheduler.activate_imported(self._reserved(request_id), first_token, first_logprob)
+
+    def _reserved(self, request_id: str) -> Sequence:
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.RUNNING or seq in self.scheduler.running:
+            raise KeyError(f"no reserved request {request_id!r}")
+        return seq
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self.scheduler.seqs.get(request_id)
+
+    def load(self) -> dict[str, int]:
+        s = self.scheduler
+        queued = sum(q.num_prompt_tokens - q.num_computed_tokens for q in (*s.waiting, *s.running) if q.is_prefilling)
+        return {"queued_tokens": queued, "running_requests": len(s.running) + len(s.waiting),
+                "free_kv_blocks": s.pool.num_free_blocks, "total_kv_blocks": s.pool.num_blocks}

@@ -70,21 +70,39 @@ class Scheduler:
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def reserve_imported(self, seq: Sequence) -> int:
-        """Decode side: reserve pages for a sequence whose prompt KV will be imported.
+    def reserve(self, seq: Sequence, needs_logits: bool) -> int:
+        """Reserve pages for a sequence whose leading blocks will be filled from outside.
 
-        Reuses prompt blocks already cached here; returns how many leading blocks were reused
-        (those need no import). Raises `OutOfPagesError` when the pages are not free now.
+        Reuses prompt blocks already cached here; returns how many leading blocks were reused.
+        With `needs_logits` (it will compute) the last prompt block is never taken from the
+        cache, so at least one token is computed. Raises `OutOfPagesError` at once when the
+        pages are not free now. The sequence holds its pages but is not scheduled until
+        `start_compute` or `activate_imported`.
         """
         self.check_fits(seq)
         hashes = block_hashes(seq.prompt_ids, self.profile)
-        if not self._try_allocate(seq, hashes, self.pool.match_prefix(hashes)):
+        hits = self.pool.match_prefix(hashes)
+        if needs_logits:
+            hits = hits[: (seq.num_prompt_tokens - 1) // seq.block_size]
+        if not self._try_allocate(seq, hashes, hits):
             raise OutOfPagesError(
-                f"decode has {self.pool.num_free_blocks} free KV pages, request needs "
-                f"{seq.blocks_for(self._reserved_slots(seq))}"
+                f"{self.pool.num_free_blocks} free KV pages, request needs "
+                f"{seq.blocks_for(self._reserved_slots(seq)) - len(hits)}"
             )
         self.seqs[seq.request_id] = seq
-        return len(seq.block_hashes)
+        return len(hits)
+
+    def mark_loaded(self, seq: Sequence, num_blocks: int) -> None:
+        """Blocks [cached, num_blocks) of the prompt were written into the pages from outside."""
+        seq.num_computed_tokens = max(seq.num_computed_tokens, min(num_blocks * seq.block_size,
+                                                                   seq.num_prompt_tokens))
+        self._cache_full_blocks(seq)
+
+    def start_compute(self, seq: Sequence) -> None:
+        """A reserved sequence computes the rest of its prompt from the next step on."""
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            raise ValueError("start_compute: nothing left to compute (the last token needs its logits)")
+        self.running.append(seq)
 
     def activate_imported(self, seq: Sequence, first_token: int, first_logprob: float) -> TokenEvent:
         """Decode side: the prompt KV is in the pages; continue from prefill's first token."""

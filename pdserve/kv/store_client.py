@@ -174,6 +174,18 @@ class StoreClient:
         await self.stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms),
                                    timeout=self.timeout_s)
 
+    def keep_alive(self, lease_id: str, lease_ms: int) -> asyncio.Task:
+        """Renew a lease every third of its length until the returned task is cancelled."""
+        async def renew_forever() -> None:
+            while True:
+                await asyncio.sleep(lease_ms / 3000)
+                try:
+                    await self.renew(lease_id, lease_ms)
+                except grpc.aio.AioRpcError:
+                    return  # closed (fully committed) or lapsed: nothing left to keep
+
+        return asyncio.ensure_future(renew_forever())
+
     async def _release_quietly(self, lease_id: str) -> None:
         try:
             await self.release(lease_id)

@@ -116,13 +116,15 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., store_write_ms: _Optional[float] = ..., pull_wait_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks")
+    __slots__ = ("queued_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "inflight_requests")
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     queued_tokens: int
     running_requests: int
     free_kv_blocks: int
     total_kv_blocks: int
-    def __init__(self, queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ...) -> None: ...
+    inflight_requests: int
+    def __init__(self, queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., inflight_requests: _Optional[int] = ...) -> None: ...

@@ -380,6 +380,9 @@ class BlockStore:
                 self._drop(entry)
                 reclaimed += 1
             else:
+                if entry.is_tail and entry.tail_held:
+                    entry.tail_held = False  # a per-request tail is read once: consumed, it goes
+                    entry.pins -= 1
                 self._unpin(entry)
                 unpinned += 1
         return unpinned, reclaimed

@@ -1,0 +1,70 @@
+"""What a prefill or decode worker sets up before serving: model, engine thread, KV pages
+registered with the transfer engine, the store client, and its Redis registration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import logs
+from pdserve.engine.config import EngineConfig, Role
+from pdserve.engine.engine import LLMEngine
+from pdserve.kv.layout import HashProfile
+from pdserve.kv.store_client import StoreClient
+from pdserve.kv.transfer import Transfer
+from pdserve.model.config import parse_dtype
+from pdserve.model.loader import LoadedModel, load_model
+from pdserve.redis_keys import RedisKeys
+from pdserve.serving.config import WorkerConfig
+from pdserve.serving.engine_thread import EngineThread
+from pdserve.serving.kv_pages import PageAddresses
+from pdserve.serving.registry import Registration
+
+log = logs.get("worker")
+
+
+@dataclass
+class Worker:
+    cfg: WorkerConfig
+    role: Role
+    model: LoadedModel
+    engine: EngineThread
+    profile: HashProfile
+    transfer: Transfer
+    store: StoreClient
+    pages: PageAddresses
+
+    def registration(self, address: str) -> Registration:
+        worker_id = self.cfg.worker_id or f"{self.role.value}-{address}"
+        engine = self.engine.engine
+        return Registration(self.cfg.redis_url, RedisKeys(self.cfg.key_prefix), worker_id, self.role.value,
+                            address, self.profile, lambda: self.engine.load,
+                            lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s)
+
+
+async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = load_model(cfg.model, parse_dtype(cfg.dtype))
+    engine = LLMEngine(model, EngineConfig(role=role, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                           max_num_seqs=cfg.max_num_seqs))
+    transfer = Transfer(cfg.te_host, cfg.te_protocol)
+    transfer.register(engine.kv_cache.tensor)
+    store = StoreClient(cfg.store, engine.profile, transfer, timeout_s=cfg.store_timeout_ms / 1000)
+    info = await store.connect()
+    if engine.profile.mismatch(_profile(info)):
+        raise SystemExit(f"store at {cfg.store} serves another hash profile: "
+                         f"{engine.profile.mismatch(_profile(info))}")
+    thread = EngineThread(engine)
+    thread.start()
+    log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12],
+             num_blocks=cfg.num_blocks, store=cfg.store, segment=transfer.segment)
+    return Worker(cfg, role, model, thread, engine.profile, transfer, store, PageAddresses(engine.kv_cache))
+
+
+def _profile(info) -> HashProfile:
+    from pdserve.wire import profile_from_pb
+
+    return profile_from_pb(info.profile)

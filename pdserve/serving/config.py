@@ -1,0 +1,40 @@
+"""Configuration shared by prefill and decode workers (env PDSERVE_* or flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(0, "port (0: any free port)")
+    advertise_host: str = field("", "host others reach this worker at (default: --host)")
+    port_file: str = field("", "write the bound port here once serving")
+    worker_id: str = field("", "id in the registry (default: role-host-port)")
+    model: str = field("tiny", "'tiny' or a Hugging Face checkpoint directory")
+    dtype: str = field("float32", "float32 | bfloat16")
+    block_size: int = field(16, "tokens per KV block")
+    num_blocks: int = field(4096, "KV pages")
+    max_num_batched_tokens: int = field(2048, "per-step token budget (chunked prefill)")
+    max_num_seqs: int = field(128, "running sequences at once")
+    threads: int = field(0, "torch threads (0: torch's default)")
+    store: str = field("127.0.0.1:50051", "kvstore address")
+    store_timeout_ms: int = field(5000, "deadline of each store call")
+    lease_ms: int = field(10_000, "store lease length for this worker's reads and writes")
+    tail_ttl_ms: int = field(30_000, "how long a request's partial last block stays in the store")
+    prefill_timeout_ms: int = field(4000, "decode: fail with UNAVAILABLE when prefill is silent this long")
+    redis_url: str = field("redis://127.0.0.1:6379/0", "Redis for registration and the prefix index")
+    key_prefix: str = field("pdserve", "prefix of every Redis key")
+    heartbeat_s: float = field(1.0, "registration heartbeat period")
+    te_host: str = field("127.0.0.1", "address the transfer engine listens on")
+    te_protocol: str = field("tcp", "transfer engine protocol: tcp or rdma")
+    grace_s: float = field(5.0, "drain period on SIGTERM")
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "store_timeout_ms",
+                     "lease_ms", "tail_ttl_ms", "prefill_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")

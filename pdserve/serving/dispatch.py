@@ -1,0 +1,94 @@
+"""Run one request across a prefill and a decode worker, concurrently, tied by its request id.
+
+Decode admits first (reserve or refuse at once) and starts watching the store; prefill runs at
+the same time; prefill's first token is yielded the moment it exists (TTFT never waits on the
+handoff) and forwarded to decode, whose stream then continues from token 1. Either side failing
+cancels the other, so nothing stays held anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.errors import PdserveError
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+@dataclass(frozen=True)
+class FirstFromPrefill:
+    response: prefill_pb2.PrefillResponse
+    at: float  # perf_counter when it arrived
+
+
+@dataclass(frozen=True)
+class Finished:
+    done: decode_pb2.DecodeDone
+    admitted: decode_pb2.Admitted | None
+
+
+class DispatchError(PdserveError):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _error(side: str, e: grpc.aio.AioRpcError) -> DispatchError:
+    return DispatchError(e.code(), f"{side}: {e.details()}")
+
+
+async def disaggregated(
+    prefill: prefill_pb2_grpc.PrefillStub,
+    decode: decode_pb2_grpc.DecodeStub,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: common_pb2.SamplingParams,
+    profile: common_pb2.HashProfile | None = None,
+    timeout_s: float = 600.0,
+    prefill_timeout_ms: int = 0,
+) -> AsyncIterator[FirstFromPrefill | common_pb2.TokenEvent | Finished]:
+    """Yields prefill's first token, then decode's tokens (index >= 1), then `Finished`."""
+    decode_call = decode.Generate(decode_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+        mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile, prefill_timeout_ms=prefill_timeout_ms),
+        timeout=timeout_s)
+    prefill_call = None
+    try:
+        try:
+            first_event = await decode_call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _error("decode", e) from e
+        if first_event is grpc.aio.EOF or not first_event.HasField("admitted"):
+            raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream did not start with admission")
+        admitted = first_event.admitted
+        prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile),
+            timeout=timeout_s)
+        try:
+            response = await prefill_call
+        except grpc.aio.AioRpcError as e:
+            raise _error("prefill", e) from e
+        yield FirstFromPrefill(response, time.perf_counter())
+        if response.first_token.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            yield Finished(decode_pb2.DecodeDone(finish_reason=response.first_token.finish_reason,
+                                                 usage=response.usage), admitted)
+            return
+        try:
+            await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response),
+                                    timeout=10)
+            while (event := await decode_call.read()) is not grpc.aio.EOF:
+                if event.HasField("token") and event.token.index > 0:
+                    yield event.token
+                elif event.HasField("done"):
+                    yield Finished(event.done, admitted)
+                    return
+            raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream ended without a result")
+        except grpc.aio.AioRpcError as e:
+            raise _error("decode", e) from e
+    finally:
+        decode_call.cancel()
+        if prefill_call is not None:
+            prefill_call.cancel()

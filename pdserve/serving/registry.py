@@ -1,0 +1,94 @@
+"""A worker's registration in Redis: role, address, hash profile and load, kept alive by heartbeat.
+
+Also publishes the worker's own prefix-cache contents (bounded by its pages) to the prefix index.
+Redis down: the worker keeps serving and says so once; registration resumes when Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from pdserve import logs
+from pdserve.kv.layout import HashProfile
+from pdserve.redis_keys import RedisKeys
+
+log = logs.get("registry")
+
+
+def profile_json(p: HashProfile) -> str:
+    lay = p.layout
+    return json.dumps({"model_fingerprint": p.model_fingerprint, "num_layers": lay.num_layers,
+                       "num_kv_heads": lay.num_kv_heads, "block_size": lay.block_size, "head_dim": lay.head_dim,
+                       "dtype": lay.dtype}, sort_keys=True)
+
+
+class Registration:
+    """Owns this worker's keys in Redis."""
+
+    def __init__(self, url: str, keys: RedisKeys, worker_id: str, role: str, address: str, profile: HashProfile,
+                 load: Callable[[], dict], cached_hashes: Callable[[], list[bytes]] | None = None,
+                 interval_s: float = 1.0):
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.keys = keys
+        self.worker_id = worker_id
+        self.fields = {"role": role, "address": address, "profile": profile_json(profile)}
+        self.load = load
+        self.cached_hashes = cached_hashes
+        self.interval_s = interval_s
+        self.connected = False
+        self._published: frozenset[bytes] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        try:
+            pipe = self.redis.pipeline()
+            pipe.delete(self.keys.worker(self.worker_id), self.keys.worker_index(self.worker_id))
+            pipe.zrem(self.keys.workers(), self.worker_id)
+            await pipe.execute()
+        except (aioredis.RedisError, OSError):
+            pass
+        await self.redis.aclose()
+
+    async def beat(self) -> None:
+        ttl = max(1, int(self.interval_s * 3))
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        key = self.keys.worker(self.worker_id)
+        pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now)})
+        pipe.expire(key, ttl)
+        pipe.zadd(self.keys.workers(), {self.worker_id: now})
+        if self.cached_hashes is not None:
+            hashes = frozenset(self.cached_hashes())
+            if hashes != self._published:
+                index = self.keys.worker_index(self.worker_id)
+                pipe.delete(index)
+                if hashes:
+                    pipe.sadd(index, *(h.hex() for h in hashes))
+            pipe.expire(self.keys.worker_index(self.worker_id), ttl)
+        await pipe.execute()
+        if self.cached_hashes is not None:
+            self._published = hashes
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+                if not self.connected:
+                    log.info("registered in redis", worker=self.worker_id, role=self.fields["role"])
+                self.connected = True
+            except (aioredis.RedisError, OSError) as e:
+                if self.connected or self._published is None:
+                    log.warning("redis unavailable: serving on without registration", error=str(e))
+                self.connected = False
+                self._published = frozenset({b"?"})  # force a full republish once Redis is back
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,33 @@
+"""Request checks shared by the workers' servicers (protobuf in, clear INVALID_ARGUMENT out)."""
+
+from __future__ import annotations
+
+import structlog
+
+from pdserve.engine.sampling import SamplingParams
+from pdserve.errors import InvalidArgument
+from pdserve.kv.layout import HashProfile
+from pdserve.wire import require_profile, sampling_from_pb
+
+
+def request_basics(request_id: str, prompt_ids, sampling_pb, profile_pb, expected: HashProfile,
+                   vocab_size: int, max_len: int) -> tuple[list[int], SamplingParams]:
+    structlog.contextvars.bind_contextvars(request_id=request_id or None)
+    if not request_id:
+        raise InvalidArgument("request_id is required")
+    if profile_pb.model_fingerprint or profile_pb.HasField("layout"):
+        require_profile(profile_pb, expected)
+    ids = list(prompt_ids)
+    if not ids:
+        raise InvalidArgument("prompt is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    try:
+        params = sampling_from_pb(sampling_pb)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from e
+    if len(ids) + params.max_tokens > max_len:
+        raise InvalidArgument(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                              f"context length {max_len}")
+    return ids, params

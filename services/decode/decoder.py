@@ -1,0 +1,199 @@
+"""One decode request, end to end: admit (reserve pages or refuse at once), pull the prompt's blocks
+from the store as prefill commits them, check them, continue from prefill's first token, stream.
+
+Everything a request holds (pages, store pins, its in-flight entry) is released on every exit
+path: finished, failed, cancelled, or prefill silent past the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve import logs, telemetry
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import OutOfPagesError
+from pdserve.engine.sequence import FinishReason, TokenEvent
+from pdserve.errors import InvalidArgument, NotFound, PdserveError, ResourceExhausted, Unavailable
+from pdserve.kv.store_client import slot_from_pb
+from pdserve.model.tokenizer import TextStream
+from pdserve.serving.bootstrap import Worker
+from pdserve.serving.engine_thread import Progress
+from pdserve.serving.kv_pages import block_checksums
+
+log = logs.get("decode")
+tracer = telemetry.tracer("pdserve.decode")
+
+
+class CorruptKV(PdserveError):
+    """A pulled block does not match what prefill computed: never decode from it."""
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    colocated: bool
+    tail_key: str
+    prefill_timeout_s: float
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    logprob: float
+    block_hashes: list[bytes]
+    checksums: list[int]
+
+
+@dataclass(frozen=True)
+class Admitted:
+    reserved_blocks: int
+    local_hit_blocks: int
+
+
+@dataclass(frozen=True)
+class Token:
+    event: TokenEvent
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_local: int
+    timings_ms: dict[str, float]
+
+
+@dataclass
+class InFlight:
+    first: asyncio.Future
+    task: asyncio.Task | None
+    last_activity: float = field(default_factory=time.monotonic)
+
+
+class Decoder:
+    """Owns this worker's in-flight decode requests."""
+
+    def __init__(self, worker: Worker):
+        self.w = worker
+        self.inflight: dict[str, InFlight] = {}
+
+    def deliver_first_token(self, request_id: str, first: FirstToken) -> None:
+        entry = self.inflight.get(request_id)
+        if entry is None:
+            raise NotFound(f"no request {request_id!r} is waiting for its first token here")
+        if not entry.first.done():
+            entry.first.set_result(first)
+            entry.last_activity = time.monotonic()
+
+    async def cancel(self, request_id: str) -> bool:
+        entry = self.inflight.get(request_id)
+        if entry is None or entry.task is None:
+            return False
+        entry.task.cancel()
+        return True
+
+    async def generate(self, req: DecodeInput) -> AsyncIterator[Admitted | Token | Done]:
+        rid = req.request_id
+        if rid in self.inflight:
+            raise InvalidArgument(f"request {rid!r} is already decoding here")
+        entry = self.inflight[rid] = InFlight(asyncio.get_running_loop().create_future(), asyncio.current_task())
+        stream = self.w.engine.open_stream(rid)
+        live = True  # until the engine reports the request finished; abort is a no-op for unknown ids
+        try:
+            t0 = time.perf_counter()
+            if req.colocated:
+                await self.w.engine.call(lambda e: e.add_request(rid, req.prompt_ids, req.params))
+                yield Admitted(0, 0)
+                first_index, cached_local, pull_ms = 0, 0, 0.0
+            else:
+                try:
+                    res = await self.w.engine.call(lambda e: e.reserve(rid, req.prompt_ids, req.params))
+                except OutOfPagesError as e:
+                    raise ResourceExhausted(f"decode worker full: {e}; retry later") from e
+                yield Admitted(len(res.block_table), res.num_cached_blocks)
+                with tracer.start_as_current_span("decode.pull", attributes={"request_id": rid}):
+                    first = await self._pull_and_first(req, res, entry)
+                pull_ms = (time.perf_counter() - t0) * 1e3
+                cached_local = res.num_cached_blocks * self.w.cfg.block_size
+                ev0 = await self.w.engine.call(lambda e: e.activate(rid, first.token_id, first.logprob))
+                stream.put_nowait(ev0)
+                first_index = 0
+            text = TextStream(self.w.model.tokenizer)
+            with tracer.start_as_current_span("decode", attributes={"request_id": rid}):
+                while True:
+                    item = await stream.get()
+                    if isinstance(item, Progress):
+                        continue
+                    if item.index < first_index:
+                        continue
+                    piece = text.push(item.token_id)
+                    if item.finish_reason is not None:
+                        piece += text.flush()
+                    yield Token(item, piece)
+                    if item.finish_reason is not None:
+                        live = False
+                        yield Done(item.finish_reason, len(req.prompt_ids), item.index + 1, cached_local,
+                                   {"pull_wait_ms": pull_ms, "total_ms": (time.perf_counter() - t0) * 1e3})
+                        return
+        finally:
+            self.w.engine.close_stream(rid)
+            self.inflight.pop(rid, None)
+            if live:
+                await asyncio.shield(self.w.engine.call(lambda e: e.abort(rid)))
+
+    async def _pull_and_first(self, req: DecodeInput, res, entry: InFlight) -> FirstToken:
+        """Pull every prompt block not cached here, and get the first token; watchdog on silence."""
+        bs = self.w.cfg.block_size
+        n_full = len(req.prompt_ids) // bs
+        has_tail = len(req.prompt_ids) % bs != 0
+        n_local = res.num_cached_blocks
+        keys = res.prompt_hashes[n_local:n_full]
+        pages = res.block_table[n_local : n_full + (1 if has_tail else 0)]
+        tail_key = (req.tail_key or req.request_id) if has_tail else ""
+        pull = asyncio.ensure_future(self._pull(req.request_id, keys, tail_key, pages, entry))
+        try:
+            while not (pull.done() and entry.first.done()):
+                await asyncio.wait([t for t in (pull, entry.first) if not t.done()], timeout=0.05)
+                if pull.done() and pull.exception() is not None:
+                    raise pull.exception()
+                if time.monotonic() - entry.last_activity > req.prefill_timeout_s:
+                    got = "first token" if entry.first.done() else "no first token"
+                    raise Unavailable(f"prefill went silent: {got}, KV blocks incomplete after "
+                                      f"{req.prefill_timeout_s:.1f}s; request {req.request_id!r} released")
+        finally:
+            if not pull.done():
+                pull.cancel()
+                await asyncio.gather(pull, return_exceptions=True)
+        first: FirstToken = entry.first.result()
+        if list(first.block_hashes) != list(res.prompt_hashes):
+            raise InvalidArgument("prefill's block hashes do not match this request's prompt")
+        pulled = list(range(n_local, n_local + len(pages)))
+        if first.checksums:
+            ours = await self.w.engine.call(lambda e: block_checksums(e.kv_cache, pages))
+            bad = [i for i, c in zip(pulled, ours, strict=True) if first.checksums[i] != c]
+            if bad:
+                raise CorruptKV(f"KV blocks {bad[:5]} of request {req.request_id!r} fail their checksum")
+        return first
+
+    async def _pull(self, rid: str, keys: list[bytes], tail_key: str, pages: list[int], entry: InFlight) -> None:
+        if not pages:
+            return
+        store = self.w.store
+        lease = ""
+        got = 0
+        async for ev in store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600):
+            lease = ev.lease_id
+            await store.read_slots([slot_from_pb(ev.slot)], self.w.pages.of([pages[ev.index]]))
+            got += 1
+            entry.last_activity = time.monotonic()
+            if got == len(pages):
+                break
+        if lease:
+            await store._release_quietly(lease)

@@ -1,0 +1,60 @@
+"""Decode gRPC servicer: protobuf at the edge, `Decoder` inside."""
+
+from __future__ import annotations
+
+from pdserve.errors import InvalidArgument
+from pdserve.serving.bootstrap import Worker
+from pdserve.serving.validate import request_basics
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from pdserve.wire import finish_to_pb
+from services.decode.decoder import Admitted, DecodeInput, Decoder, Done, FirstToken, Token
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: Worker, decoder: Decoder):
+        self.w = worker
+        self.decoder = decoder
+
+    async def Generate(self, request, context):
+        engine = self.w.engine.engine
+        ids, params = request_basics(request.request_id, request.prompt_token_ids, request.sampling,
+                                     request.profile, self.w.profile, self.w.model.config.vocab_size,
+                                     engine.max_model_len)
+        if request.mode == decode_pb2.DECODE_MODE_UNSPECIFIED:
+            raise InvalidArgument("mode is required: DISAGGREGATED or COLOCATED")
+        timeout_s = (request.prefill_timeout_ms or self.w.cfg.prefill_timeout_ms) / 1000
+        req = DecodeInput(request.request_id, ids, params, request.mode == decode_pb2.DECODE_MODE_COLOCATED,
+                          request.tail_key, timeout_s)
+        async for item in self.decoder.generate(req):
+            yield to_pb(item)
+
+    async def FirstToken(self, request, context):
+        p = request.prefill
+        if not request.request_id or request.request_id != p.request_id:
+            raise InvalidArgument("FirstToken: request_id must be set and match the prefill response")
+        self.decoder.deliver_first_token(request.request_id, FirstToken(
+            p.first_token.token_id, p.first_token.logprob, list(p.block_hashes), list(p.kv_checksums)))
+        return decode_pb2.FirstTokenResponse()
+
+    async def Cancel(self, request, context):
+        return prefill_pb2.CancelResponse(found=await self.decoder.cancel(request.request_id))
+
+    async def Load(self, request, context):
+        return common_pb2.WorkerLoad(**self.w.engine.load, inflight_requests=len(self.decoder.inflight))
+
+
+def to_pb(item: Admitted | Token | Done) -> decode_pb2.DecodeEvent:
+    if isinstance(item, Admitted):
+        return decode_pb2.DecodeEvent(admitted=decode_pb2.Admitted(reserved_blocks=item.reserved_blocks,
+                                                                   local_hit_blocks=item.local_hit_blocks))
+    if isinstance(item, Token):
+        ev = item.event
+        return decode_pb2.DecodeEvent(token=common_pb2.TokenEvent(
+            token_id=ev.token_id, text=item.text, logprob=ev.logprob, index=ev.index,
+            finish_reason=finish_to_pb(ev.finish_reason)))
+    return decode_pb2.DecodeEvent(done=decode_pb2.DecodeDone(
+        finish_reason=finish_to_pb(item.finish_reason),
+        usage=common_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
+                               cached_tokens_local=item.cached_local),
+        timings=common_pb2.Timings(pull_wait_ms=item.timings_ms["pull_wait_ms"],
+                                   total_ms=item.timings_ms["total_ms"])))

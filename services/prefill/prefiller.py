@@ -1,0 +1,161 @@
+"""One prefill request, end to end: cached prefix (own cache, then the store), compute the rest,
+ship each full block to the store as soon as it exists (overlapping the next chunk's compute),
+the partial tail under the request's key, then return the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from pdserve import logs, telemetry
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import OutOfPagesError
+from pdserve.engine.sequence import FinishReason, TokenEvent
+from pdserve.errors import InvalidArgument, ResourceExhausted
+from pdserve.kv.store_client import Allocation
+from pdserve.serving.bootstrap import Worker
+from pdserve.serving.engine_thread import Progress
+from pdserve.serving.kv_pages import block_checksums
+
+log = logs.get("prefill")
+tracer = telemetry.tracer("pdserve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tail_key: str
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    request_id: str
+    first_token: int
+    first_logprob: float
+    finish_reason: FinishReason | None
+    block_hashes: list[bytes]
+    tail_key: str
+    checksums: list[int]  # one per prompt block, the tail included
+    cached_local: int
+    cached_store: int
+    computed: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class Prefiller:
+    """Owns this worker's in-flight prefill requests (request_id -> task)."""
+
+    def __init__(self, worker: Worker):
+        self.w = worker
+        self.inflight: dict[str, asyncio.Task] = {}
+
+    async def cancel(self, request_id: str) -> bool:
+        task = self.inflight.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def prefill(self, req: PrefillInput) -> PrefillOutput:
+        if req.request_id in self.inflight:
+            raise InvalidArgument(f"request {req.request_id!r} is already being prefilled here")
+        task = asyncio.current_task()
+        self.inflight[req.request_id] = task
+        try:
+            with tracer.start_as_current_span("prefill", attributes={"request_id": req.request_id,
+                                                                    "prompt_tokens": len(req.prompt_ids)}):
+                return await self._prefill(req)
+        finally:
+            self.inflight.pop(req.request_id, None)
+
+    async def _prefill(self, req: PrefillInput) -> PrefillOutput:
+        w, rid, bs = self.w, req.request_id, self.w.cfg.block_size
+        t0 = time.perf_counter()
+        stream = w.engine.open_stream(rid)
+        alloc: Allocation | None = None
+        renewal: asyncio.Task | None = None
+        try:
+            try:
+                res = await w.engine.call(lambda e: e.reserve(rid, req.prompt_ids, req.params))
+            except OutOfPagesError as e:
+                raise ResourceExhausted(f"prefill worker full: {e}; retry later") from e
+            n_full = len(req.prompt_ids) // bs
+            n_local = res.num_cached_blocks
+            n_store = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local,
+                                                  (len(req.prompt_ids) - 1) // bs)
+            await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
+            t_loaded = time.perf_counter()
+            tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
+            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms)
+            renewal = w.store.keep_alive(alloc.lease_id, w.cfg.lease_ms)
+            pages = res.block_table[: n_full + (1 if tail_key else 0)]
+            shipped, write_s = 0, 0.0
+            while True:
+                item = await stream.get()
+                if isinstance(item, Progress):
+                    full = min(item.num_computed_tokens // bs, n_full)
+                    if full > shipped:
+                        write_s += await self._ship(alloc, res.prompt_hashes, pages, shipped, full)
+                        shipped = full
+                elif isinstance(item, TokenEvent):
+                    first = item
+                    break
+            t_first = time.perf_counter()
+            write_s += await self._ship(alloc, res.prompt_hashes, pages, shipped, len(pages), tail=bool(tail_key))
+            alloc = None  # fully committed: the lease is closed
+            checksums = await w.engine.call(lambda e: block_checksums(e.kv_cache, pages))
+            await w.engine.call(lambda e: e.release(rid))
+        except BaseException:
+            # Abort even when `reserve` was still in flight as we were cancelled: the engine runs
+            # commands in order, so this abort follows it (and is a no-op for unknown ids).
+            await asyncio.shield(w.engine.call(lambda e: e.abort(rid)))
+            if alloc is not None:
+                await asyncio.shield(w.store._release_quietly(alloc.lease_id))
+            raise
+        finally:
+            if renewal is not None:
+                renewal.cancel()
+            w.engine.close_stream(rid)
+        done = time.perf_counter()
+        cached = (n_local + n_store) * bs
+        return PrefillOutput(
+            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, checksums,
+            cached_local=n_local * bs, cached_store=n_store * bs, computed=len(req.prompt_ids) - cached,
+            timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
+                        "store_write_ms": write_s * 1e3, "tail_ms": (done - t_first) * 1e3,
+                        "total_ms": (done - t0) * 1e3})
+
+    async def _load_from_store(self, rid: str, hashes: list[bytes], table: list[int], n_local: int,
+                               loadable: int) -> int:
+        """Read the store's blocks [n_local, loadable) of the chain into our pages; how many were read."""
+        if n_local >= loadable:
+            return 0
+        store = self.w.store
+        with tracer.start_as_current_span("store.get", attributes={"request_id": rid}) as span:
+            pinned = await store.pin(hashes[n_local:loadable], request_id=rid, lease_ms=self.w.cfg.lease_ms)
+            if not pinned.lease_id:
+                return 0
+            try:
+                n = len(pinned.slots)
+                await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
+            finally:
+                await store._release_quietly(pinned.lease_id)
+            span.set_attribute("blocks", n)
+            span.set_attribute("bytes", n * store.block_nbytes)
+            return n
+
+    async def _ship(self, alloc: Allocation, hashes: list[bytes], pages: list[int], start: int, end: int,
+                    tail: bool = False) -> float:
+        """Write blocks [start, end) where the store asked for them, then commit them."""
+        if end <= start:
+            return 0.0
+        t0 = time.perf_counter()
+        store = self.w.store
+        with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}):
+            await store.write(alloc.slots[start:end], self.w.pages.of(pages[start:end]))
+            keys = list(hashes[start:end]) if not tail else []  # empty = everything left, the tail too
+            await store.commit(alloc.lease_id, keys, tail_ttl_ms=self.w.cfg.tail_ttl_ms)
+        return time.perf_counter() - t0

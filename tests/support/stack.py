@@ -1,0 +1,71 @@
+"""A pdserve stack of real processes for tests: store, prefill and decode workers (router later)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.launch import ServiceProcess
+from pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    key_prefix: str
+    store: ServiceProcess | None = None
+    prefills: list[ServiceProcess] = field(default_factory=list)
+    decodes: list[ServiceProcess] = field(default_factory=list)
+
+    def common(self) -> list[str]:
+        return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--grace-s", "1"]
+
+    def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
+        self.store = ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host",
+                                    "--device-bytes", str(device_mib * MIB), "--dram-bytes", str(dram_mib * MIB),
+                                    "--lease-ms", str(lease_ms), *self.common()).start()
+        return self.store
+
+    def worker(self, role: str, *flags: str) -> ServiceProcess:
+        return ServiceProcess(f"services.{role}", "--model", "tiny", "--store", self.store.address,
+                              "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", *self.common(), *flags)
+
+    def start(self, num_prefill: int = 1, num_decode: int = 1, prefill_flags=(), decode_flags=()) -> Stack:
+        self.start_store()
+        procs = [self.worker("prefill", *prefill_flags).spawn() for _ in range(num_prefill)]
+        procs += [self.worker("decode", *decode_flags).spawn() for _ in range(num_decode)]
+        for p in procs:
+            p.wait_ready()
+        self.prefills, self.decodes = procs[:num_prefill], procs[num_prefill:]
+        return self
+
+    def stop(self) -> None:
+        for p in [*self.prefills, *self.decodes, *([self.store] if self.store else [])]:
+            p.stop()
+
+
+def stubs(address: str, kind: str):
+    channel = grpc.aio.insecure_channel(address)
+    cls = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
+           "kvstore": kvstore_pb2_grpc.KVStoreStub}[kind]
+    return channel, cls(channel)
+
+
+async def load(address: str, kind: str) -> common_pb2.WorkerLoad:
+    channel, stub = stubs(address, kind)
+    async with channel:
+        return await stub.Load(prefill_pb2.LoadRequest(), timeout=5)
+
+
+async def store_stats(address: str) -> kvstore_pb2.StatsResponse:
+    channel, stub = stubs(address, "kvstore")
+    async with channel:
+        return await stub.Stats(kvstore_pb2.StatsRequest(), timeout=5)
+
+
+def run(coro):
+    return asyncio.run(coro)
