@@ -28,8 +28,10 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.router:
+        return _generate_remote(args)
     if not args.local:
-        print("pdserve generate: only --local is available in this version", file=sys.stderr)
+        print("pdserve generate: give --router HOST:PORT, or --local to run the engine here", file=sys.stderr)
         return 2
     from pdserve.engine.engine import LLMEngine
     from pdserve.model.config import parse_dtype
@@ -70,11 +72,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    from pdserve.client import Client, Result
+
+    params = _sampling(args)  # validates before any call
+    kwargs = dict(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                  top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos)
+    with Client(args.router) as c:
+        for item in c.generate_streamed(args.prompt, **kwargs):
+            if isinstance(item, Result):
+                if args.json:
+                    print(json.dumps({"request_id": item.request_id, "token_ids": item.token_ids, "text": item.text,
+                                      "logprobs": item.logprobs, "finish_reason": item.finish_reason,
+                                      "prompt_tokens": item.usage["prompt_tokens"], "usage": item.usage,
+                                      "ttft_ms": item.timings["ttft_ms"], "timings": item.timings,
+                                      "route": item.route}))
+                else:
+                    sys.stdout.write("\n")
+            elif not args.json:
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.client import Client
+    from pdserve.status_table import render
+
+    with Client(args.router) as c:
+        print(render(c.status()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text")
+    gen.add_argument("--router", default="", help="HOST:PORT of a pdserve router")
     gen.add_argument("--local", action="store_true", help="run the engine in this process")
     gen.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face checkpoint directory")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
@@ -82,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-blocks", type=int, default=2048)
     _add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="workers, store and hit rates of a running deployment")
+    st.add_argument("--router", required=True, help="HOST:PORT of a pdserve router")
+    st.set_defaults(func=cmd_status)
+
+    from pdserve import up
+
+    up.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (numbers, not tests)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -99,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - typed client errors, one line for the terminal
+        from pdserve.errors import PdserveError
+
+        if isinstance(e, PdserveError):
+            print(f"pdserve: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

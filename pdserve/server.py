@@ -131,12 +131,13 @@ async def build_server(
     host: str = "127.0.0.1",
     port: int = 0,
     grace_s: float = 5.0,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> ServerHandle:
     """Start a server; `register` adds the servicers and returns their full service names."""
     telemetry.setup_tracing(name)
     server = grpc.aio.server(
         interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
     )

@@ -331,3 +331,27 @@ def test_decode_killed_store_leases_lapse_prefill_unaffected(shared_redis_url, k
         assert (p.free_kv_blocks, p.inflight_requests) == (4096, 0)
     finally:
         s.stop()
+
+
+def test_decode_reuses_its_own_prefix_cache_and_colocated_mode(stack, engine):
+    ids = prompt(100, salt=4242)
+    want = expected(engine, ids)
+    tokens, _, done = run(run_one(stack, "turn1", ids))
+    assert tokens == want and done.admitted.local_hit_blocks == 0
+    # Same prompt again: decode's own cache already holds all 6 full blocks; only the tail is pulled.
+    tokens, _, done = run(run_one(stack, "turn2", ids, prefill_index=1))
+    assert tokens == want and done.admitted.local_hit_blocks == 6
+
+    async def colocated():
+        ch, d = stubs(stack.decodes[0].address, "decode")
+        async with ch:
+            call = d.Generate(decode_pb2.DecodeRequest(
+                request_id="colo", prompt_token_ids=prompt(77, salt=5), sampling=sampling(),
+                mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=30)
+            return [e async for e in call]
+
+    events = run(colocated())
+    assert events[0].HasField("admitted") and events[-1].HasField("done")
+    assert [e.token.token_id for e in events if e.HasField("token")] == expected(engine, prompt(77, salt=5))
+    assert events[-1].done.usage.completion_tokens == 8
+    assert_clean(stack)

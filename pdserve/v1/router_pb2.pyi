@@ -104,13 +104,37 @@ class HitRates(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "redis_connected", "routing", "hit_rates")
+    __slots__ = ("workers", "redis_connected", "routing", "hit_rates", "store")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     HIT_RATES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     redis_connected: bool
     routing: str
     hit_rates: _containers.RepeatedCompositeFieldContainer[HitRates]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing: _Optional[str] = ..., hit_rates: _Optional[_Iterable[_Union[HitRates, _Mapping]]] = ...) -> None: ...
+    store: StoreStatus
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing: _Optional[str] = ..., hit_rates: _Optional[_Iterable[_Union[HitRates, _Mapping]]] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ...) -> None: ...
+
+class StoreStatus(_message.Message):
+    __slots__ = ("address", "reachable", "device_used_blocks", "device_capacity_blocks", "dram_used_blocks", "dram_capacity_blocks", "hits", "misses", "active_leases")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reachable: bool
+    device_used_blocks: int
+    device_capacity_blocks: int
+    dram_used_blocks: int
+    dram_capacity_blocks: int
+    hits: int
+    misses: int
+    active_leases: int
+    def __init__(self, address: _Optional[str] = ..., reachable: _Optional[bool] = ..., device_used_blocks: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_used_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., active_leases: _Optional[int] = ...) -> None: ...

@@ -20,6 +20,7 @@ class Stack:
     store: ServiceProcess | None = None
     prefills: list[ServiceProcess] = field(default_factory=list)
     decodes: list[ServiceProcess] = field(default_factory=list)
+    router: ServiceProcess | None = None
 
     def common(self) -> list[str]:
         return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--grace-s", "1"]
@@ -43,8 +44,25 @@ class Stack:
         self.prefills, self.decodes = procs[:num_prefill], procs[num_prefill:]
         return self
 
+    def start_router(self, *flags: str, env: dict | None = None) -> ServiceProcess:
+        self.router = ServiceProcess("services.router", "--model", "tiny", "--store", self.store.address,
+                                     "--refresh-s", "0.2", *self.common(), *flags, env=env).start()
+        return self.router
+
+    def wait_pool(self, healthy: int, timeout_s: float = 20.0) -> None:
+        import time
+
+        from pdserve.client import Client
+
+        with Client(self.router.address) as c:
+            deadline = time.time() + timeout_s
+            while sum(1 for w in c.status().workers if w.healthy) != healthy:
+                assert time.time() < deadline, f"pool did not reach {healthy} healthy workers"
+                time.sleep(0.1)
+
     def stop(self) -> None:
-        for p in [*self.prefills, *self.decodes, *([self.store] if self.store else [])]:
+        for p in [*([self.router] if self.router else []), *self.prefills, *self.decodes,
+                  *([self.store] if self.store else [])]:
             p.stop()
 
 

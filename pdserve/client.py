@@ -1,0 +1,210 @@
+"""The pdserve client SDK: `Client` (blocking) and `AsyncClient` (asyncio) for a router.
+
+    with pdserve.Client("127.0.0.1:50050") as c:
+        print(c.generate("Hello", max_tokens=16).text)
+        for ev in c.stream("Hello", max_tokens=16):
+            print(ev.text, end="", flush=True)
+
+Errors arrive as typed exceptions (pdserve.errors): InvalidArgument, ResourceExhausted,
+Unavailable, NotFound, DeadlineExceeded, or PdserveError for anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve import errors
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort"}
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+}
+
+
+class Cancelled(errors.PdserveError):
+    code = grpc.StatusCode.CANCELLED
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+    logprob: float
+    index: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    usage: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    route: dict = field(default_factory=dict)
+
+
+def _request(prompt: str | list[int], request_id: str, max_tokens: int = 64, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
+             ignore_eos: bool = False) -> router_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def _event(t: common_pb2.TokenEvent) -> TokenEvent:
+    return TokenEvent(t.token_id, t.text, t.logprob, t.index, _FINISH.get(t.finish_reason))
+
+
+def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
+    u, t, r = s.usage, s.timings, s.route
+    return Result(
+        request_id=s.request_id, text="".join(e.text for e in tokens), token_ids=[e.token_id for e in tokens],
+        logprobs=[e.logprob for e in tokens], finish_reason=_FINISH.get(s.finish_reason),
+        usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+               "cached_tokens_local": u.cached_tokens_local, "cached_tokens_store": u.cached_tokens_store,
+               "computed_tokens": u.computed_tokens},
+        timings={"ttft_ms": t.ttft_ms, "total_ms": t.total_ms, "prefill_ms": t.prefill_ms,
+                 "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "route_ms": t.queue_ms},
+        route={"prefill": r.prefill_worker, "decode": r.decode_worker, "policy": r.policy,
+               "colocated": r.colocated, "expected_hit_tokens": r.expected_hit_tokens,
+               "estimated_ttft_ms": r.estimated_ttft_ms})
+
+
+def _error(e: grpc.RpcError) -> errors.PdserveError:
+    code = e.code()
+    if code == grpc.StatusCode.CANCELLED:
+        return Cancelled(e.details() or "cancelled")
+    cls = _ERRORS.get(code, errors.PdserveError)
+    err = cls(f"{code.name}: {e.details()}")
+    return err
+
+
+class Client:
+    """Blocking client. Thread-safe; one channel."""
+
+    def __init__(self, target: str, timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
+                 **sampling) -> Result:
+        try:
+            resp = self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
+                                            timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return _result([_event(t) for t in resp.tokens], resp.summary)
+
+    def stream(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
+               **sampling) -> Iterator[TokenEvent]:
+        for item in self.generate_streamed(prompt, request_id, timeout_s, **sampling):
+            if isinstance(item, TokenEvent):
+                yield item
+
+    def generate_streamed(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
+                          **sampling) -> Iterator[TokenEvent | Result]:
+        """Token events as they come, then the `Result` (usage, timings, route)."""
+        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s)
+        tokens: list[TokenEvent] = []
+        try:
+            for msg in call:
+                if msg.HasField("token"):
+                    tokens.append(_event(msg.token))
+                    yield tokens[-1]
+                else:
+                    yield _result(tokens, msg.summary)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()
+
+    def status(self) -> router_pb2.StatusResponse:
+        try:
+            return self._stub.Status(router_pb2.StatusRequest(), timeout=10)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+
+class AsyncClient:
+    """asyncio client; create and use it inside one event loop."""
+
+    def __init__(self, target: str, timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
+                       **sampling) -> Result:
+        try:
+            resp = await self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
+                                                  timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        return _result([_event(t) for t in resp.tokens], resp.summary)
+
+    async def stream(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
+                     **sampling) -> AsyncIterator[TokenEvent]:
+        async for item in self.generate_streamed(prompt, request_id, timeout_s, **sampling):
+            if isinstance(item, TokenEvent):
+                yield item
+
+    async def generate_streamed(self, prompt: str | list[int], request_id: str = "",
+                                timeout_s: float | None = None, **sampling) -> AsyncIterator[TokenEvent | Result]:
+        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s)
+        tokens: list[TokenEvent] = []
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                if msg.HasField("token"):
+                    tokens.append(_event(msg.token))
+                    yield tokens[-1]
+                else:
+                    yield _result(tokens, msg.summary)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()
+
+    async def status(self) -> router_pb2.StatusResponse:
+        try:
+            return await self._stub.Status(router_pb2.StatusRequest(), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None

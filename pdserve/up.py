@@ -1,0 +1,143 @@
+"""`pdserve up`: the whole stack on one machine — Redis (the one at REDIS_URL, or our own), the
+store, N prefill and M decode workers and the router, each its own process. Ctrl-C / SIGTERM
+stops everything it started, by pid, in reverse order."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
+
+
+class Stack:
+    """Owns every process `up` started."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.redis: RedisServer | None = None
+        self.procs: list[ServiceProcess] = []
+        self.router: ServiceProcess | None = None
+
+    def start(self) -> str:
+        a = self.args
+        redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+        if not redis_reachable(redis_url):
+            self.redis = RedisServer().start()
+            say(f"no Redis at {redis_url}: started our own at {self.redis.url}")
+            redis_url = self.redis.url
+        common = ["--redis-url", redis_url, "--key-prefix", a.key_prefix or f"pdserve-up-{os.getpid()}"]
+        model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size)]
+        store = self._add(ServiceProcess("services.kvstore", *model, *common,
+                                         "--device-bytes", str(a.store_device_mib << 20),
+                                         "--dram-bytes", str(a.store_dram_mib << 20)))
+        store.start()
+        say(f"kvstore  {store.address}")
+        workers = [self._add(ServiceProcess(f"services.{role}", *model, *common, "--store", store.address,
+                                            "--num-blocks", str(a.num_blocks), "--threads", str(a.threads),
+                                            name=f"{role}-{i}"))
+                   for role, n in (("prefill", a.prefill), ("decode", a.decode)) for i in range(n)]
+        for w in workers:
+            w.spawn()
+        for w in workers:
+            w.wait_ready()
+            say(f"{w.name:<10}{w.address}")
+        self.router = self._add(ServiceProcess(
+            "services.router", *model, *common, "--store", store.address, "--port", str(a.port),
+            "--host", a.host, "--policy", a.policy, "--metrics-port", str(a.metrics_port)))
+        self.router.start()
+        self._wait_for_pool()
+        return f"{a.host}:{self.router.port}"
+
+    def _add(self, proc: ServiceProcess) -> ServiceProcess:
+        self.procs.append(proc)
+        return proc
+
+    def _wait_for_pool(self, timeout_s: float = 60) -> None:
+        from pdserve.client import Client
+
+        want = self.args.prefill + self.args.decode
+        with Client(f"127.0.0.1:{self.router.port}") as c:
+            deadline = time.time() + timeout_s
+            while True:
+                healthy = sum(1 for w in c.status().workers if w.healthy)
+                if healthy == want:
+                    return
+                if time.time() > deadline:
+                    raise RuntimeError(f"only {healthy} of {want} workers became healthy")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.redis:
+            self.redis.stop()
+
+
+def say(msg: str) -> None:
+    print(f"pdserve up: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    stack = Stack(args)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        address = stack.start()
+        print(f"router at {address}", flush=True)
+        if args.demo_prompt:
+            _demo(address, args.demo_prompt, args.demo_max_tokens)
+        if not args.exit_after_demo:
+            say("serving; Ctrl-C stops everything")
+            while not done.wait(0.5):
+                dead = [p.name for p in stack.procs if p.proc.poll() is not None]
+                if dead:
+                    say(f"stopping: {', '.join(dead)} exited")
+                    return 1
+        return 0
+    finally:
+        stack.stop()
+        say("stopped")
+
+
+def _demo(address: str, prompt: str, max_tokens: int) -> None:
+    from pdserve.client import Client, Result
+
+    say(f"first request: {prompt!r}")
+    with Client(address) as c:
+        for item in c.generate_streamed(prompt, max_tokens=max_tokens, ignore_eos=True):
+            if isinstance(item, Result):
+                print(flush=True)
+                say(f"{item.usage['completion_tokens']} tokens, TTFT {item.timings['ttft_ms']:.1f} ms, "
+                    f"total {item.timings['total_ms']:.1f} ms, prefill {item.route['prefill'] or '-'}, "
+                    f"decode {item.route['decode']}")
+            else:
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="start the whole stack on this machine")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV pages per worker")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50050, help="router port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=-1, help="router /metrics port (-1: off)")
+    p.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"])
+    p.add_argument("--key-prefix", default="", help="Redis key prefix (default: one per run)")
+    p.add_argument("--store-device-mib", type=int, default=256)
+    p.add_argument("--store-dram-mib", type=int, default=1024)
+    p.add_argument("--demo-prompt", default="", help="send this request once the stack is up, streaming it")
+    p.add_argument("--demo-max-tokens", type=int, default=48)
+    p.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo request")
+    p.set_defaults(func=run)

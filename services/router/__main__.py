@@ -1,0 +1,59 @@
+"""`python -m services.router`: the client-facing router process."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from pdserve import logs
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.model.config import parse_dtype
+from pdserve.model.loader import load_model
+from pdserve.redis_keys import RedisKeys
+from pdserve.server import build_server
+from pdserve.service import parse_config, run, write_port_file
+from pdserve.v1 import router_pb2, router_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.metrics import Metrics
+from services.router.router import Router
+from services.router.servicer import RouterServicer
+from services.router.status import status
+from services.router.workers import WorkerPool
+
+log = logs.get("router")
+
+
+async def main() -> None:
+    cfg = parse_config(RouterConfig, "python -m services.router")
+    model = load_model(cfg.model, parse_dtype(cfg.dtype))
+    profile = HashProfile(model.fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))
+    redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    keys = RedisKeys(cfg.key_prefix)
+    pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
+    metrics = Metrics()
+    router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,
+                    redis, pool, metrics)
+    servicer = RouterServicer(router, lambda: status(router, cfg.store))
+
+    def register(server) -> list[str]:
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+        return [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
+
+    # Accept messages well past our own prompt limit, so an oversized prompt gets a clear
+    # INVALID_ARGUMENT from validation instead of the transport's bare RESOURCE_EXHAUSTED.
+    handle = await build_server("router", register, cfg.host, cfg.port, cfg.grace_s,
+                                max_message_bytes=4 * cfg.max_prompt_bytes + (1 << 20))
+    stopped = handle.install_signal_handlers()
+    await pool.refresh()
+    pool.start()
+    if cfg.metrics_port >= 0:
+        port = await metrics.serve(cfg.host, cfg.metrics_port)
+        log.info("metrics", url=f"http://{cfg.host}:{port}/metrics")
+    await handle.set_serving()
+    write_port_file(cfg.port_file, handle.port)
+    await stopped.wait()
+    await pool.stop()
+    await redis.aclose()
+
+
+if __name__ == "__main__":
+    run("router", main)

@@ -1,0 +1,39 @@
+"""Router configuration (env PDSERVE_* or flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import field
+
+POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(0, "port (0: any free port)")
+    port_file: str = field("", "write the bound port here once serving")
+    model: str = field("tiny", "model whose tokenizer and hash profile the pool serves")
+    dtype: str = field("float32", "KV dtype of the pool")
+    block_size: int = field(16, "tokens per KV block")
+    redis_url: str = field("redis://127.0.0.1:6379/0", "Redis: worker registry, prefix index, hit counters")
+    key_prefix: str = field("pdserve", "prefix of every Redis key")
+    policy: str = field("cache_aware", "prefill choice: cache_aware | round_robin | least_loaded")
+    colocate_below_tokens: int = field(0, "uncached prompt tokens under which decode prefills itself (0: never)")
+    ttft_slo_ms: float = field(0.0, "reject at once when the TTFT estimate exceeds this (0: no SLO)")
+    max_tokens_cap: int = field(4096, "largest max_tokens a request may ask for")
+    max_prompt_tokens: int = field(0, "largest prompt (0: the model's context length)")
+    max_prompt_bytes: int = field(16 << 20, "largest prompt text in bytes")
+    refresh_s: float = field(0.25, "how often the worker registry is re-read and health-checked")
+    call_timeout_s: float = field(600.0, "deadline of each request's calls to the workers")
+    prefill_timeout_ms: int = field(4000, "decode gives up when prefill is silent this long")
+    store: str = field("", "kvstore address, for its stats in Status (optional)")
+    metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
+    grace_s: float = field(5.0, "drain period on SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.max_tokens_cap <= 0:
+            raise ValueError("max_tokens_cap must be positive")

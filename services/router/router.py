@@ -1,0 +1,261 @@
+"""The request path through the router: validate, route, dispatch, stream, account."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+
+from pdserve import logs, telemetry
+from pdserve.engine.sampling import SamplingParams
+from pdserve.errors import InvalidArgument, ResourceExhausted
+from pdserve.kv.hashing import block_hashes
+from pdserve.kv.layout import HashProfile
+from pdserve.model.tokenizer import TextStream, Tokenizer
+from pdserve.serving.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
+from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.wire import finish_from_pb, profile_to_pb, sampling_to_pb
+from services.router.config import RouterConfig
+from services.router.metrics import Metrics
+from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
+from services.router.prefix_index import PrefixHits, PrefixIndex
+from services.router.workers import WorkerPool, WorkerView
+
+log = logs.get("router")
+tracer = telemetry.tracer("pdserve.router")
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: WorkerView | None  # None: colocated on decode
+    decode: WorkerView
+    policy: str
+    expected_local_tokens: int
+    expected_store_tokens: int
+    estimated_ttft_ms: float
+    route_ms: float
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    token_id: int
+    text: str
+    logprob: float
+    index: int
+    finish_reason: int
+
+
+@dataclass
+class Summary:
+    request_id: str
+    finish_reason: int
+    route: Route
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_local: int = 0
+    cached_store: int = 0
+    computed: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class Router:
+    """Stateless apart from caches: the pool view, learned coefficients, the round-robin cursor."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, profile: HashProfile, max_model_len: int,
+                 vocab_size: int, redis: aioredis.Redis, pool: WorkerPool, metrics: Metrics):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.profile = profile
+        self.profile_pb = profile_to_pb(profile)
+        self.max_prompt = cfg.max_prompt_tokens or max_model_len
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.index = PrefixIndex(redis, pool.keys)
+        self.pool = pool
+        self.policy = Policy(cfg.policy)
+        self.coef = Coefficients()
+        self.metrics = metrics
+
+    # -- validation (never touches a worker) -----------------------------------------------
+    def prompt_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+        if text is not None:
+            if len(text) > self.cfg.max_prompt_bytes or len(text.encode()) > self.cfg.max_prompt_bytes:
+                raise InvalidArgument(f"prompt text is over {self.cfg.max_prompt_bytes} bytes, this deployment's "
+                                      "limit")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = list(token_ids or [])
+        if not ids:
+            raise InvalidArgument("prompt is empty: give text or at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) > self.max_prompt:
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; this deployment accepts at most {self.max_prompt}")
+        return ids
+
+    def sampling(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        if params.max_tokens > self.cfg.max_tokens_cap:
+            raise InvalidArgument(f"max_tokens {params.max_tokens} is over this deployment's cap "
+                                  f"{self.cfg.max_tokens_cap}")
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidArgument(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                  f"context length {self.max_model_len}")
+        return params
+
+    # -- routing ---------------------------------------------------------------------------
+    async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams) -> Route:
+        t0 = time.perf_counter()
+        decodes = self.pool.usable("decode")
+        prefills = self.pool.usable("prefill")
+        bs = self.profile.block_size
+        need = -(-(len(ids) + params.max_tokens - 1) // bs)
+        dcands = [DecodeCandidate(w.worker_id, int(w.load.get("free_kv_blocks", 0)),
+                                  int(w.load.get("running_requests", 0)) + w.inflight) for w in decodes]
+        dchoice = self.policy.choose_decode(dcands, need)
+        if dchoice is None:
+            raise ResourceExhausted(
+                f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy); retry in a few seconds")
+        decode = self.pool.workers[dchoice.worker_id]
+        hits = await self._lookup(hashes, [w.worker_id for w in prefills])
+        if prefills:
+            pcands = [PrefillCandidate(w.worker_id, int(w.load.get("queued_tokens", 0)),
+                                       hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight) for w in prefills]
+            choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
+        uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
+        if not prefills or uncached < self.cfg.colocate_below_tokens:
+            return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3)
+        if self.cfg.ttft_slo_ms and choice.estimated_ttft_ms > self.cfg.ttft_slo_ms:
+            raise ResourceExhausted(
+                f"estimated TTFT {choice.estimated_ttft_ms:.0f} ms exceeds the SLO {self.cfg.ttft_slo_ms:.0f} ms; "
+                f"retry in about {choice.estimated_ttft_ms - self.cfg.ttft_slo_ms:.0f} ms")
+        return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
+                     choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3)
+
+    async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
+        if not self.pool.redis_ok or self.policy.name != "cache_aware":
+            return PrefixHits({}, 0)  # load-only routing
+        try:
+            return await self.index.lookup(hashes, prefill_ids)
+        except (aioredis.RedisError, OSError):
+            self.pool.redis_ok = False
+            return PrefixHits({}, 0)
+
+    # -- one request -----------------------------------------------------------------------
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[
+            TokenOut | Summary]:
+        request_id = request_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        with tracer.start_as_current_span("route", attributes={"request_id": request_id,
+                                                               "prompt_tokens": len(ids)}) as span:
+            hashes = block_hashes(ids, self.profile)
+            route = await self.route(ids, hashes, params)
+            span.set_attribute("prefill", route.prefill.address if route.prefill else "")
+            span.set_attribute("decode", route.decode.address)
+            self.metrics.observe("route_ms", route.route_ms)
+        summary = Summary(request_id, 0, route, len(ids))
+        text = TextStream(self.tokenizer)
+        workers = [w for w in (route.prefill, route.decode) if w is not None]
+        for w in workers:
+            w.inflight += 1
+        last = None
+        try:
+            async for item in self._dispatch(request_id, ids, params, route, summary):
+                now = time.perf_counter()
+                if item.index == 0:
+                    summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
+                    self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
+                elif last is not None:
+                    self.metrics.observe("itl_ms", (now - last) * 1e3)
+                last = now
+                piece = text.push(item.token_id)
+                if item.finish_reason:
+                    piece += text.flush()
+                    summary.finish_reason = item.finish_reason
+                yield TokenOut(item.token_id, piece, item.logprob, item.index, item.finish_reason)
+        except DispatchError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                for w in workers:
+                    if str(e).startswith(w.role):
+                        self.pool.mark_failed(w)
+            raise
+        finally:
+            for w in workers:
+                w.inflight -= 1
+        total = (time.perf_counter() - t0) * 1e3
+        summary.timings_ms["total_ms"] = total
+        if summary.completion_tokens > 1:
+            tpot = (total - summary.timings_ms.get("ttft_ms", 0)) / (summary.completion_tokens - 1)
+            summary.timings_ms["tpot_ms"] = tpot
+            self.metrics.observe("tpot_ms", tpot)
+        yield summary
+
+    async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary):
+        sampling = sampling_to_pb(params)
+        if route.prefill is None:
+            async for item in self._colocated(request_id, ids, sampling, route, summary):
+                yield item
+            return
+        async for ev in disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
+                                      self.profile_pb, self.cfg.call_timeout_s, self.cfg.prefill_timeout_ms):
+            if isinstance(ev, FirstFromPrefill):
+                await self._account(ev.response, route, len(ids))
+                u = ev.response.usage
+                summary.cached_local, summary.cached_store, summary.computed = (
+                    u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
+                summary.timings_ms.update(prefill_ms=ev.response.timings.prefill_ms,
+                                          store_write_ms=ev.response.timings.store_write_ms)
+                summary.completion_tokens = 1
+                yield ev.response.first_token
+            elif isinstance(ev, Finished):
+                summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
+            else:
+                summary.completion_tokens = ev.index + 1
+                yield ev
+
+    async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary):
+        call = route.decode.stub.Generate(decode_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sampling, profile=self.profile_pb,
+            mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=self.cfg.call_timeout_s)
+        try:
+            while (event := await call.read()) is not grpc.aio.EOF:
+                if event.HasField("token"):
+                    summary.completion_tokens = event.token.index + 1
+                    yield event.token
+                elif event.HasField("done"):
+                    summary.computed = len(ids)
+                    return
+        except grpc.aio.AioRpcError as e:
+            raise DispatchError(e.code(), f"decode: {e.details()}") from e
+        finally:
+            call.cancel()
+
+    async def _account(self, resp, route: Route, prompt_tokens: int) -> None:
+        u, t = resp.usage, resp.timings
+        self.coef.observe(u.computed_tokens, t.prefill_ms, u.cached_tokens_store, t.queue_ms)
+        hit = u.cached_tokens_local + u.cached_tokens_store
+        self.metrics.count("prompt_tokens", prompt_tokens)
+        self.metrics.count("hit_tokens_local", u.cached_tokens_local)
+        self.metrics.count("hit_tokens_store", u.cached_tokens_store)
+        if not self.pool.redis_ok:
+            return
+        try:
+            await self.index.record(route.prefill.worker_id, prompt_tokens, route.expected_local_tokens,
+                                    u.cached_tokens_local)
+            await self.index.record("store", prompt_tokens, route.expected_store_tokens, u.cached_tokens_store)
+            await self.index.record("all", prompt_tokens, route.expected_local_tokens + route.expected_store_tokens,
+                                    hit)
+        except (aioredis.RedisError, OSError):
+            self.pool.redis_ok = False
+
+
+def finish_name(value: int) -> str:
+    reason = finish_from_pb(value)
+    return reason.value if reason else ""
+
+
+__all__ = ["Router", "Route", "Summary", "TokenOut", "common_pb2", "finish_name"]

@@ -1,0 +1,74 @@
+"""Router gRPC servicer: protobuf at the edge, `Router` inside."""
+
+from __future__ import annotations
+
+import structlog
+
+from pdserve.errors import InvalidArgument
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.wire import sampling_from_pb
+from services.router.router import Router, Summary, TokenOut
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router, status):
+        self.router = router
+        self.status = status
+
+    def _request(self, request):
+        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("prompt is empty: give text or token_ids")
+        ids = self.router.prompt_ids(request.text if which == "text" else None,
+                                     list(request.token_ids.ids) if which == "token_ids" else None)
+        if not request.HasField("sampling") or request.sampling.max_tokens == 0:
+            raise InvalidArgument("max_tokens must be >= 1")
+        try:
+            params = sampling_from_pb(request.sampling)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        return ids, self.router.sampling(params, len(ids))
+
+    async def Generate(self, request, context):
+        ids, params = self._request(request)
+        async for item in self.router.generate(request.request_id, ids, params):
+            if isinstance(item, TokenOut):
+                yield router_pb2.GenerateResponse(token=_token_pb(item))
+            else:
+                yield router_pb2.GenerateResponse(summary=_summary_pb(item))
+
+    async def GenerateUnary(self, request, context):
+        ids, params = self._request(request)
+        tokens, summary = [], None
+        async for item in self.router.generate(request.request_id, ids, params):
+            if isinstance(item, TokenOut):
+                tokens.append(_token_pb(item))
+            else:
+                summary = _summary_pb(item)
+        return router_pb2.GenerateResult(text="".join(t.text for t in tokens), tokens=tokens, summary=summary)
+
+    async def Status(self, request, context):
+        return await self.status()
+
+
+def _token_pb(t: TokenOut) -> common_pb2.TokenEvent:
+    return common_pb2.TokenEvent(token_id=t.token_id, text=t.text, logprob=t.logprob, index=t.index,
+                                 finish_reason=t.finish_reason)
+
+
+def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
+    r = s.route
+    t = s.timings_ms
+    return router_pb2.GenerateSummary(
+        request_id=s.request_id, finish_reason=s.finish_reason,
+        usage=common_pb2.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
+                               cached_tokens_local=s.cached_local, cached_tokens_store=s.cached_store,
+                               computed_tokens=s.computed),
+        timings=common_pb2.Timings(ttft_ms=t.get("ttft_ms", 0), total_ms=t.get("total_ms", 0),
+                                   prefill_ms=t.get("prefill_ms", 0), store_write_ms=t.get("store_write_ms", 0),
+                                   pull_wait_ms=t.get("pull_wait_ms", 0), queue_ms=r.route_ms),
+        route=router_pb2.RouteDecision(
+            prefill_worker=r.prefill.address if r.prefill else "", decode_worker=r.decode.address,
+            policy=r.policy, expected_hit_tokens=r.expected_local_tokens + r.expected_store_tokens,
+            estimated_ttft_ms=r.estimated_ttft_ms, colocated=r.prefill is None))

@@ -1,0 +1,150 @@
+"""The router's view of the worker pool: registrations from Redis, confirmed by gRPC health checks.
+
+A worker whose heartbeat lapses (its Redis hash expired) or whose health check fails stops
+receiving work, and comes back once both are fine again. A worker whose hash profile differs
+from the pool's is refused, with the reason logged and shown in Status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve import logs
+from pdserve.kv.layout import HashProfile
+from pdserve.redis_keys import RedisKeys
+from pdserve.server import channel
+from pdserve.serving.registry import profile_json
+from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+log = logs.get("router.workers")
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str
+    load: dict = field(default_factory=dict)
+    healthy: bool = False
+    registered: bool = True
+    refused_reason: str = ""
+    channel: grpc.aio.Channel | None = None
+    stub: object = None
+    health: object = None
+    inflight: int = 0  # requests this router has on it now
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and self.registered and not self.refused_reason
+
+
+class WorkerPool:
+    """Owns the router's worker views and their channels; refreshed by one background task."""
+
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float):
+        self.redis = redis
+        self.keys = keys
+        self.profile_json = profile_json(profile)
+        self.refresh_s = refresh_s
+        self.workers: dict[str, WorkerView] = {}
+        self.redis_ok = False
+        self._task: asyncio.Task | None = None
+        self._warned = False
+
+    def usable(self, role: str) -> list[WorkerView]:
+        return sorted((w for w in self.workers.values() if w.role == role and w.usable), key=lambda w: w.worker_id)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for w in self.workers.values():
+            if w.channel:
+                await w.channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - keep routing with what we know
+                log.exception("worker refresh failed")
+            await asyncio.sleep(self.refresh_s)
+
+    async def refresh(self) -> None:
+        await self._read_registry()
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+
+    async def _read_registry(self) -> None:
+        try:
+            ids = await self.redis.zrange(self.keys.workers(), 0, -1)
+            pipe = self.redis.pipeline(transaction=False)
+            for wid in ids:
+                pipe.hgetall(self.keys.worker(wid.decode()))
+            records = await pipe.execute()
+        except (aioredis.RedisError, OSError) as e:
+            if self.redis_ok or not self._warned:
+                log.warning("redis unreachable: routing by load alone on the last known workers", error=str(e))
+                self._warned = True
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            log.info("redis reachable: cache-aware routing on")
+        self.redis_ok, self._warned = True, False
+        seen = set()
+        for wid, rec in zip(ids, records, strict=True):
+            wid = wid.decode()
+            if not rec:
+                continue  # heartbeat lapsed: its hash expired
+            rec = {k.decode(): v.decode() for k, v in rec.items()}
+            if rec.get("role") not in ("prefill", "decode"):
+                continue
+            seen.add(wid)
+            view = self.workers.get(wid)
+            if view is None or view.address != rec["address"]:
+                view = self.workers[wid] = self._new_view(wid, rec)
+            view.registered = True
+            view.load = json.loads(rec.get("load", "{}"))
+        for wid, view in self.workers.items():
+            if wid not in seen:
+                view.registered = False
+
+    def _new_view(self, wid: str, rec: dict) -> WorkerView:
+        view = WorkerView(wid, rec["role"], rec["address"])
+        if rec.get("profile") != self.profile_json:
+            view.refused_reason = f"hash profile differs from the pool's: {rec.get('profile')} vs {self.profile_json}"
+            log.warning("worker refused", worker=wid, address=view.address, reason=view.refused_reason)
+            return view
+        view.channel = channel(view.address)
+        cls = prefill_pb2_grpc.PrefillStub if view.role == "prefill" else decode_pb2_grpc.DecodeStub
+        view.stub = cls(view.channel)
+        view.health = health_pb2_grpc.HealthStub(view.channel)
+        log.info("worker joined", worker=wid, role=view.role, address=view.address)
+        return view
+
+    async def _check(self, view: WorkerView) -> None:
+        if view.health is None:
+            return
+        try:
+            resp = await view.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            healthy = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != view.healthy:
+            log.info("worker health changed", worker=view.worker_id, healthy=healthy)
+        view.healthy = healthy
+
+    def mark_failed(self, view: WorkerView) -> None:
+        """A call to the worker failed as unreachable: stop sending it work until health says otherwise."""
+        view.healthy = False
+
+    def snapshot_time(self) -> float:
+        return time.time()

@@ -1,0 +1,248 @@
+"""pdserve as a user meets it: router + workers + store + Redis as real processes, SDK clients."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+
+from pdserve import errors
+from pdserve.client import AsyncClient, Client, Result
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.loader import load_model
+from tests.support.stack import Stack, load, run, store_stats
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(load_model("tiny"), EngineConfig(num_blocks=2048))
+
+
+@pytest.fixture(scope="module")
+def stack(shared_redis_url):
+    s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(num_prefill=2, num_decode=1)
+    s.start_router()
+    s.wait_pool(3)
+    yield s
+    s.stop()
+
+
+def ids(n: int, salt: int) -> list[int]:
+    return [(i * 53 + salt * 17 + 1) % 256 for i in range(n)]
+
+
+def expected(engine, prompt_ids, max_tokens=10):
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+def test_outputs_equal_the_local_engine_sync_async_streamed_unary(stack, engine):
+    tok = load_model("tiny").tokenizer
+    text = "pdserve routes this prompt through prefill and decode"
+    want = expected(engine, tok.encode(text))
+    with Client(stack.router.address) as c:
+        unary = c.generate(text, max_tokens=10, ignore_eos=True)
+        streamed = list(c.stream(text, max_tokens=10, ignore_eos=True))
+        by_ids = c.generate(ids(300, 1), max_tokens=10, ignore_eos=True)
+    assert unary.token_ids == want and [e.token_id for e in streamed] == want
+    assert [e.index for e in streamed] == list(range(10)) and streamed[-1].finish_reason == "length"
+    assert unary.text == tok.decode(want) == "".join(e.text for e in streamed)
+    assert by_ids.token_ids == expected(engine, ids(300, 1))
+    assert unary.usage["prompt_tokens"] == len(tok.encode(text)) and unary.timings["ttft_ms"] > 0
+
+    async def with_async():
+        async with AsyncClient(stack.router.address) as c:
+            r = await c.generate(text, max_tokens=10, ignore_eos=True)
+            s = [e.token_id async for e in c.stream(ids(40, 2), max_tokens=10, ignore_eos=True)]
+            return r, s
+
+    r, s = asyncio.run(with_async())
+    assert r.token_ids == want and s == expected(engine, ids(40, 2))
+
+
+def test_shared_prefix_goes_to_the_worker_holding_it(stack, engine):
+    a = ids(800, 3)
+    b = a[:640] + ids(100, 4)
+    with Client(stack.router.address) as c:
+        before = {h.scope: (h.hit_tokens, h.lookup_tokens) for h in c.status().hit_rates}
+        first = c.generate(a, max_tokens=4, ignore_eos=True)
+        time.sleep(1.2)  # the worker's heartbeat publishes its cache contents
+        second = c.generate(b, max_tokens=4, ignore_eos=True)
+        status = c.status()
+    assert second.route["prefill"] == first.route["prefill"] and second.route["policy"] == "cache_aware"
+    assert second.route["expected_hit_tokens"] == 640
+    assert (second.usage["cached_tokens_local"], second.usage["computed_tokens"]) == (640, 100)
+    assert second.token_ids == expected(engine, b, 4)
+    worker = next(w for w in run(_worker_ids(stack)) if w[1] == first.route["prefill"])[0]
+    rates = {h.scope: h for h in status.hit_rates}
+    old_hit, old_lookup = before.get(worker, (0, 0))
+    assert (rates[worker].hit_tokens - old_hit, rates[worker].lookup_tokens - old_lookup) == (640, 1540)
+    r = redis.Redis.from_url(stack.redis_url)
+    keys = r.keys(f"{stack.key_prefix}:hits:{worker}:*")
+    assert len(keys) >= 1 and all(0 < r.ttl(k) <= 3600 for k in keys)
+
+
+async def _worker_ids(stack):
+    r = redis.asyncio.Redis.from_url(stack.redis_url)
+    out = []
+    for wid in await r.zrange(f"{stack.key_prefix}:workers", 0, -1):
+        addr = await r.hget(f"{stack.key_prefix}:worker:{wid.decode()}", "address")
+        out.append((wid.decode(), addr.decode()))
+    await r.aclose()
+    return out
+
+
+def test_bad_input_is_refused_by_the_router(stack):
+    with Client(stack.router.address) as c:
+        before = run(load(stack.decodes[0].address, "decode"))
+        cases = [
+            (dict(prompt=""), "prompt is empty"),
+            (dict(prompt=[]), "prompt is empty"),
+            (dict(prompt=[1] * 40000), "accepts at most 32768"),
+            (dict(prompt="hi", max_tokens=0), "max_tokens must be >= 1"),
+            (dict(prompt="hi", max_tokens=100000), "over this deployment's cap 4096"),
+            (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
+            (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+            (dict(prompt=[5, 999]), "outside the vocabulary"),
+            (dict(prompt=[1] * 32000, max_tokens=1000), "exceeds the context length"),
+        ]
+        for kwargs, message in cases:
+            prompt = kwargs.pop("prompt")
+            with pytest.raises(errors.InvalidArgument, match="INVALID_ARGUMENT") as err:
+                c.generate(prompt, **kwargs)
+            assert message in str(err.value), (message, str(err.value))
+        with pytest.raises(errors.InvalidArgument, match="prompt text is over 16777216 bytes"):
+            c.generate("x" * (20 * 1024 * 1024), max_tokens=1)  # oversized message
+        after = run(load(stack.decodes[0].address, "decode"))
+        assert after.inflight_requests == before.inflight_requests == 0
+        assert c.generate("still fine", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+
+
+def test_client_cancel_mid_stream_releases_everything(stack):
+    with Client(stack.router.address) as c:
+        stream = c.stream(ids(500, 9), max_tokens=400, ignore_eos=True)
+        got = [next(stream) for _ in range(5)]
+        stream.close()
+    assert [e.index for e in got] == [0, 1, 2, 3, 4]
+    deadline = time.time() + 2.0
+    while True:
+        d = run(load(stack.decodes[0].address, "decode"))
+        ps = [run(load(p.address, "prefill")) for p in stack.prefills]
+        st = run(store_stats(stack.store.address))
+        state = (d.inflight_requests, d.running_requests, d.free_kv_blocks, [p.inflight_requests for p in ps],
+                 st.active_leases, st.watchers)
+        if state == (0, 0, 4096, [0, 0], 0, 0) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert state == (0, 0, 4096, [0, 0], 0, 0)
+
+
+def test_hash_profile_mismatch_is_refused(stack):
+    from pdserve.launch import ServiceProcess
+
+    # A worker of another deployment (block size 32, its own store) registers in the same Redis.
+    odd_store = ServiceProcess("services.kvstore", "--model", "tiny", "--block-size", "32", "--device", "host",
+                               "--device-bytes", str(8 << 20), "--dram-bytes", str(8 << 20), *stack.common()).start()
+    odd = ServiceProcess("services.prefill", "--model", "tiny", "--block-size", "32", "--store", odd_store.address,
+                         "--heartbeat-s", "0.5", "--threads", "1", *stack.common()).start()
+    try:
+        deadline = time.time() + 10
+        while True:
+            with Client(stack.router.address) as c:
+                st = c.status()
+            refused = [w for w in st.workers if w.address == odd.address]
+            if refused and refused[0].refused_reason or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert refused and "hash profile differs" in refused[0].refused_reason and not refused[0].healthy
+        with Client(stack.router.address) as c:
+            for i in range(4):
+                assert c.generate(ids(50, 100 + i), max_tokens=2).route["prefill"] != odd.address
+    finally:
+        odd.stop()
+        odd_store.stop()
+
+
+def test_worker_stopped_then_back_and_two_routers(stack):
+    rr = stack.router
+    second = Stack(stack.redis_url, stack.key_prefix, store=stack.store)
+    second.start_router("--policy", "round_robin")
+    try:
+        second.wait_pool(3)
+        with Client(second.router.address) as c:
+            used = {c.generate(ids(20, 200 + i), max_tokens=2).route["prefill"] for i in range(4)}
+            assert used == {p.address for p in stack.prefills}
+            victim = stack.prefills[1]
+            victim.stop()
+            second.wait_pool(2)
+            routes = [c.generate(ids(20, 300 + i), max_tokens=2, ignore_eos=True) for i in range(4)]
+            assert {r.route["prefill"] for r in routes} == {stack.prefills[0].address}
+            stack.prefills[1] = stack.worker("prefill").start()
+            second.wait_pool(3)
+            used = {c.generate(ids(20, 400 + i), max_tokens=2).route["prefill"] for i in range(4)}
+            assert used == {p.address for p in stack.prefills}
+        with Client(rr.address) as c:  # the first router saw the same changes through Redis
+            stack.wait_pool(3)
+            assert c.generate("hello", max_tokens=2).usage["completion_tokens"] == 2
+    finally:
+        second.router.stop()
+
+
+def test_overload_is_refused_fast(shared_redis_url, key_prefix):
+    s = Stack(shared_redis_url, key_prefix)
+    s.start_store()
+    s.decodes = [s.worker("decode", "--num-blocks", "32").start()]
+    s.prefills = [s.worker("prefill").start()]
+    s.start_router()
+    try:
+        s.wait_pool(2)
+        with Client(s.router.address) as c:
+            c.generate("warm", max_tokens=1)
+            t0 = time.perf_counter()
+            with pytest.raises(errors.ResourceExhausted, match="no decode worker can admit 63 KV blocks"):
+                c.generate([1] * 900, max_tokens=100)
+            assert time.perf_counter() - t0 < 0.05
+    finally:
+        s.stop()
+
+
+def test_redis_down_routes_by_load_then_recovers(private_redis, key_prefix, engine):
+    s = Stack(private_redis.url, key_prefix).start(1, 1)
+    s.start_router()
+    try:
+        s.wait_pool(2)
+        with Client(s.router.address) as c:
+            assert c.generate(ids(100, 7), max_tokens=4, ignore_eos=True).token_ids == expected(engine, ids(100, 7), 4)
+            private_redis.stop()
+            deadline = time.time() + 5
+            while c.status().redis_connected and time.time() < deadline:
+                time.sleep(0.1)
+            st = c.status()
+            assert not st.redis_connected and st.routing == "load_only (redis unreachable)"
+            for i in range(3):
+                assert c.generate(ids(60, 20 + i), max_tokens=4, ignore_eos=True).token_ids == expected(
+                    engine, ids(60, 20 + i), 4)
+            private_redis.start()
+            deadline = time.time() + 10
+            while not c.status().redis_connected and time.time() < deadline:
+                time.sleep(0.1)
+            s.wait_pool(2)
+            st = c.status()
+            assert st.redis_connected and st.routing == "cache_aware"
+            a = ids(400, 8)
+            c.generate(a, max_tokens=2)
+            time.sleep(1.2)
+            again = c.generate(a[:320] + ids(40, 9), max_tokens=2)
+            assert again.route["expected_hit_tokens"] == 320
+    finally:
+        s.stop()
+
+
+def test_generate_streamed_ends_with_result(stack):
+    with Client(stack.router.address) as c:
+        items = list(c.generate_streamed("abc", max_tokens=3, ignore_eos=True))
+    assert isinstance(items[-1], Result) and items[-1].token_ids == [e.token_id for e in items[:-1]]
