@@ -32,6 +32,7 @@ def write_port_file(path: str, port: int) -> None:
 
 def run(name: str, main: Callable[[], Awaitable[None]]) -> None:
     logs.configure(name)
+    telemetry.setup_tracing(name)  # before any channel exists: interceptors are fixed at creation
     try:
         asyncio.run(main())
     finally:

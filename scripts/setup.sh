@@ -16,6 +16,8 @@ ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_missing+=(libibverbs
 command -v redis-server >/dev/null || apt_missing+=(redis-server)  # tests and `pdserve up` start their own
 command -v python3 >/dev/null || apt_missing+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || apt_missing+=(python3-venv)
+# The tests check compose.yaml with `docker-compose config` (no Docker engine needed for that).
+[ -n "$extras" ] && ! command -v docker-compose >/dev/null && apt_missing+=(docker-compose)
 if [ ${#apt_missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${apt_missing[*]}"
   as_root apt-get update -qq
@@ -33,7 +35,7 @@ if [ -f "$stamp" ] && $py -c 'import pdserve, torch' 2>/dev/null; then
 fi
 $py -m pip install -q --upgrade pip
 # A bare `torch` requirement would pull a multi-GB CUDA build; take the CPU build unless one is present.
-$py -c 'import torch' 2>/dev/null || $py -m pip install -q torch==2.13.0
+$py -c 'import torch' 2>/dev/null || $py -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 $py -m pip install -q -e ".${extras}"
 touch "$stamp"
 echo "setup: ready (.venv)"

@@ -118,9 +118,13 @@ class Decoder:
                 except OutOfPagesError as e:
                     raise ResourceExhausted(f"decode worker full: {e}; retry later") from e
                 yield Admitted(len(res.block_table), res.num_cached_blocks)
-                with tracer.start_as_current_span("decode.pull", attributes={"request_id": rid}):
+                with tracer.start_as_current_span("decode.pull", attributes={"request_id": rid}) as span:
                     first = await self._pull_and_first(req, res, entry)
-                pull_ms = (time.perf_counter() - t0) * 1e3
+                    pull_ms = (time.perf_counter() - t0) * 1e3
+                    pulled = len(res.block_table) and (-(-len(req.prompt_ids) // self.w.cfg.block_size)
+                                                       - res.num_cached_blocks)
+                    span.set_attribute("bytes", pulled * self.w.store.block_nbytes)
+                    span.set_attribute("local_hit_blocks", res.num_cached_blocks)
                 cached_local = res.num_cached_blocks * self.w.cfg.block_size
                 ev0 = await self.w.engine.call(lambda e: e.activate(rid, first.token_id, first.logprob))
                 stream.put_nowait(ev0)

@@ -17,6 +17,7 @@ from pdserve.kv.store_client import Allocation
 from pdserve.serving.bootstrap import Worker
 from pdserve.serving.engine_thread import Progress
 from pdserve.serving.kv_pages import block_checksums
+from pdserve.v1 import kvstore_pb2
 
 log = logs.get("prefill")
 tracer = telemetry.tracer("pdserve.prefill")
@@ -154,8 +155,14 @@ class Prefiller:
             return 0.0
         t0 = time.perf_counter()
         store = self.w.store
-        with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}):
-            await store.write(alloc.slots[start:end], self.w.pages.of(pages[start:end]))
+        with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}) as span:
+            slices = await store.write(alloc.slots[start:end], self.w.pages.of(pages[start:end]))
             keys = list(hashes[start:end]) if not tail else []  # empty = everything left, the tail too
             await store.commit(alloc.lease_id, keys, tail_ttl_ms=self.w.cfg.tail_ttl_ms)
-        return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            written = sum(1 for s in alloc.slots[start:end] if s.state == kvstore_pb2.SLOT_STATE_WRITE)
+            moved = written * store.block_nbytes
+            span.set_attribute("bytes", moved)
+            span.set_attribute("slices", slices)
+            span.set_attribute("gbps", moved / elapsed / 1e9 if elapsed > 0 else 0.0)
+        return elapsed

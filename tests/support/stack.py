@@ -21,6 +21,7 @@ class Stack:
     prefills: list[ServiceProcess] = field(default_factory=list)
     decodes: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
+    env: dict | None = None  # extra environment for every process
 
     def common(self) -> list[str]:
         return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--grace-s", "1"]
@@ -28,12 +29,13 @@ class Stack:
     def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
         self.store = ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host",
                                     "--device-bytes", str(device_mib * MIB), "--dram-bytes", str(dram_mib * MIB),
-                                    "--lease-ms", str(lease_ms), *self.common()).start()
+                                    "--lease-ms", str(lease_ms), *self.common(), env=self.env).start()
         return self.store
 
     def worker(self, role: str, *flags: str) -> ServiceProcess:
         return ServiceProcess(f"services.{role}", "--model", "tiny", "--store", self.store.address,
-                              "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", *self.common(), *flags)
+                              "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", *self.common(), *flags,
+                              env=self.env)
 
     def start(self, num_prefill: int = 1, num_decode: int = 1, prefill_flags=(), decode_flags=()) -> Stack:
         self.start_store()

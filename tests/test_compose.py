@@ -1,0 +1,44 @@
+"""compose.yaml passes the compose schema check and wires every service; the Dockerfile installs
+exactly what the README installs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import yaml
+
+from tests.support.procs import ROOT
+
+SERVICES = {"redis", "jaeger", "kvstore", "prefill", "decode", "router"}
+
+
+def test_compose_file_is_valid_and_names_every_service(tmp_path):
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is needed for this check: bash scripts/setup.sh --test installs it"
+    out = subprocess.run([exe, "-f", str(ROOT / "compose.yaml"), "config"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert set(resolved["services"]) == SERVICES
+    for name in ("kvstore", "prefill", "decode", "router"):
+        svc = resolved["services"][name]
+        assert svc["command"][:3] == ["python", "-m", f"services.{name}"]
+        assert "pdserve.healthcheck" in svc["healthcheck"]["test"]
+        assert svc["environment"]["PDSERVE_REDIS_URL"] == "redis://redis:6379/0"
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert all(dep["condition"] == "service_healthy" for dep in svc["depends_on"].values())
+    assert resolved["services"]["router"]["depends_on"].keys() == {"prefill", "decode"}
+    assert "16686" in str(resolved["services"]["jaeger"]["ports"])
+    # A broken file is caught: the check can fail.
+    broken = tmp_path / "compose.yaml"
+    broken.write_text((ROOT / "compose.yaml").read_text().replace("condition: service_healthy",
+                                                                   "condition: when_it_feels_like_it", 1))
+    bad = subprocess.run([exe, "-f", str(broken), "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+
+
+def test_dockerfile_uses_the_readme_install():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "RUN bash scripts/setup.sh" in text
+    assert "bash scripts/run.sh" in (ROOT / "README.md").read_text()

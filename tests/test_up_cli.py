@@ -1,0 +1,74 @@
+"""`pdserve up` starts the stack; the CLI talks to it; SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.support.procs import ROOT
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.add(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_generate_status_and_clean_stop(tiny):
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--key-prefix",
+                           f"pdtest-up-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
+    try:
+        line = up.stdout.readline()
+        assert line.startswith("router at "), line
+        router = line.split()[-1]
+        kids = children(up.pid)
+        assert len(kids) >= 4  # store, prefill, decode, router (+ redis when none was reachable)
+        gen = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--router", router, "--prompt",
+                              "hello", "--max-tokens", "5", "--ignore-eos", "--json"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert gen.returncode == 0, gen.stderr
+        doc = json.loads(gen.stdout)
+        from pdserve.engine.config import EngineConfig
+        from pdserve.engine.engine import LLMEngine
+        from pdserve.engine.sampling import SamplingParams
+
+        want = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
+            [tiny.tokenizer.encode("hello")], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+        assert doc["token_ids"] == want and doc["prompt_tokens"] == 5 and doc["ttft_ms"] > 0
+        st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", router], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and "redis: connected" in st.stdout
+        assert "prefill" in st.stdout and "decode" in st.stdout
+        bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--router", router, "--prompt", "",
+                              "--max-tokens", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in bad.stderr
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        deadline = time.time() + 10
+        while any(alive(k) for k in kids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(k) for k in kids), "orphans left behind"
+    finally:
+        if up.poll() is None:
+            up.kill()
