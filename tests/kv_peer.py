@@ -15,7 +15,7 @@ import sys
 import torch
 
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.store_client import StoreClient, slot_from_pb
+from pdserve.kv.store_client import StoreClient
 from pdserve.kv.transfer import Transfer
 
 LAYOUT = KVLayout(2, 2, 16, 64, "float32")  # 32 KiB blocks
@@ -82,12 +82,13 @@ async def run(args: argparse.Namespace) -> dict:
     if args.op == "watch":
         order, ok, lease = [], True, ""
         print("READY", flush=True)
-        async for ev in client.watch(hashes, tail, timeout_s=args.timeout):
-            lease = ev.lease_id
-            await client.read_slots([slot_from_pb(ev.slot)], [buf.addr(ev.index)])
-            expected = block_data(args.seed, -1 if ev.index == args.n else args.start + ev.index)
-            ok = ok and torch.equal(buf.block(ev.index), expected)
-            order.append(ev.index)
+        async for batch in client.watch(hashes, tail, timeout_s=args.timeout):
+            lease = batch.lease_id
+            await client.read_slots(batch.slots, [buf.addr(i) for i in batch.indices])
+            for i in batch.indices:
+                expected = block_data(args.seed, -1 if i == args.n else args.start + i)
+                ok = ok and torch.equal(buf.block(i), expected)
+                order.append(i)
         await client.release(lease)
         return {"order": order, "ok": ok}
     raise SystemExit(f"unknown op {args.op}")

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import redis
 
-from pdserve.kv.store_client import StoreClient, slot_from_pb
+from pdserve.kv.store_client import StoreClient
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_data, block_hash
@@ -159,9 +159,9 @@ def test_watch_is_told_of_each_commit(small_store):
             await client.write([alloc.slots[i]], [c.buf.addr(i)])
             await client.commit(alloc.lease_id, [hashes[i]])
             ev = await asyncio.wait_for(first if i == 0 else anext(watch), 5)
-            events.append(ev.index)
-            await client.read_slots([slot_from_pb(ev.slot)], [c.buf.addr(32 + ev.index)])
-            assert c.buf.block(32 + ev.index).equal(block_data(seed, ev.index))
+            events.extend(ev.indices)
+            await client.read_slots(ev.slots, [c.buf.addr(32 + j) for j in ev.indices])
+            assert all(c.buf.block(32 + j).equal(block_data(seed, j)) for j in ev.indices)
         stats = await client.stats()
         await client.release(ev.lease_id)
         await watch.aclose()
@@ -181,7 +181,7 @@ def test_watch_cancelled_releases_its_pins(small_store):
     async def scenario(client: StoreClient):
         watch = client.watch(hashes, timeout_s=10)
         ev = await anext(watch)
-        assert ev.index == 0
+        assert ev.indices == [0]
         await watch.aclose()  # gone before block 1 ever came
         await asyncio.sleep(0.3)
         return await client.stats()

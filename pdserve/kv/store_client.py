@@ -53,6 +53,13 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class WatchBatch:
+    lease_id: str
+    indices: list[int]  # positions in the watched hashes; len(hashes) for the tail
+    slots: list[SlotInfo]
+
+
+@dataclass(frozen=True)
 class Pinned:
     lease_id: str  # empty when nothing was found
     slots: list[SlotInfo]  # the longest stored prefix
@@ -152,14 +159,14 @@ class StoreClient:
         return Pinned(resp.lease_id, slots_from_pb(resp.slots), tail)
 
     async def watch(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
-                    lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[pb.WatchEvent]:
-        """Events as blocks are committed (each already pinned under the watch's lease)."""
+                    lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[WatchBatch]:
+        """Batches of blocks as they are committed (each already pinned under the watch's lease)."""
         call = self.stub.Watch(pb.WatchRequest(
             profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id), timeout=timeout_s or self.timeout_s)
         try:
             async for event in call:
-                yield event
+                yield WatchBatch(event.lease_id, list(event.indices), slots_from_pb(event.slots))
         finally:
             call.cancel()
 

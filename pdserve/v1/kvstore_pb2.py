@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"<\n\x08SlotList\x12\x11\n\taddresses\x18\x01 \x03(\x04\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0e\n\x06states\x18\x03 \x01(\x0c\"j\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Tier\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.pdserve.v1.SlotState\"\r\n\x0bInfoRequest\"\xb2\x01\n\x0cInfoResponse\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12(\n\x07profile\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\x12\x1e\n\x16\x64\x65vice_capacity_blocks\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_capacity_blocks\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x06 \x01(\t\"\x8c\x01\n\x12\x41llocatePutRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"l\n\x13\x41llocatePutResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05slots\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.SlotList\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\"G\n\x10\x43ommitPutRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0btail_ttl_ms\x18\x03 \x01(\r\"<\n\x11\x43ommitPutResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x14\n\x0clease_closed\x18\x02 \x01(\x08\"\x84\x01\n\nGetRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x84\x01\n\x0bGetResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05slots\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.SlotList\x12\x1e\n\x04tail\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Slot\x12\x1e\n\x16lease_deadline_unix_ms\x18\x04 \x01(\x04\"\x86\x01\n\x0cWatchRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"M\n\nWatchEvent\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x1e\n\x04slot\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Slot\"7\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"4\n\x12RenewLeaseResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\";\n\x14ReleaseLeaseResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\r\x12\x11\n\treclaimed\x18\x02 \x01(\r\"\x8d\x01\n\x0ePutBytesHeader\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x15\n\rtail_lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"W\n\x0fPutBytesRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PutBytesHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"<\n\x10PutBytesResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\"w\n\x0fGetBytesRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"F\n\x10GetBytesResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08has_tail\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xbd\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Tier\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\"\xc0\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.TierStats\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x15\n\rbytes_written\x18\x04 \x01(\x04\x12\x12\n\nbytes_read\x18\x05 \x01(\x04\x12\x15\n\ractive_leases\x18\x06 \x01(\r\x12\x10\n\x08watchers\x18\x07 \x01(\r\x12\x17\n\x0fredis_connected\x18\x08 \x01(\x08*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_DRAM\x10\x02*m\n\tSlotState\x12\x1a\n\x16SLOT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10SLOT_STATE_WRITE\x10\x01\x12\x16\n\x12SLOT_STATE_PRESENT\x10\x02\x12\x16\n\x12SLOT_STATE_PENDING\x10\x03\x32\xc3\x05\n\x07KVStore\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12N\n\x0b\x41llocatePut\x12\x1e.pdserve.v1.AllocatePutRequest\x1a\x1f.pdserve.v1.AllocatePutResponse\x12H\n\tCommitPut\x12\x1c.pdserve.v1.CommitPutRequest\x1a\x1d.pdserve.v1.CommitPutResponse\x12\x36\n\x03Get\x12\x16.pdserve.v1.GetRequest\x1a\x17.pdserve.v1.GetResponse\x12;\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x16.pdserve.v1.WatchEvent0\x01\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12Q\n\x0cReleaseLease\x12\x1f.pdserve.v1.ReleaseLeaseRequest\x1a .pdserve.v1.ReleaseLeaseResponse\x12G\n\x08PutBytes\x12\x1b.pdserve.v1.PutBytesRequest\x1a\x1c.pdserve.v1.PutBytesResponse(\x01\x12G\n\x08GetBytes\x12\x1b.pdserve.v1.GetBytesRequest\x1a\x1c.pdserve.v1.GetBytesResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"<\n\x08SlotList\x12\x11\n\taddresses\x18\x01 \x03(\x04\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0e\n\x06states\x18\x03 \x01(\x0c\"j\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Tier\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.pdserve.v1.SlotState\"\r\n\x0bInfoRequest\"\xb2\x01\n\x0cInfoResponse\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12(\n\x07profile\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\x12\x1e\n\x16\x64\x65vice_capacity_blocks\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_capacity_blocks\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65vice_kind\x18\x06 \x01(\t\"\x8c\x01\n\x12\x41llocatePutRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"l\n\x13\x41llocatePutResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05slots\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.SlotList\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x04\"G\n\x10\x43ommitPutRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0btail_ttl_ms\x18\x03 \x01(\r\"<\n\x11\x43ommitPutResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x14\n\x0clease_closed\x18\x02 \x01(\x08\"\x84\x01\n\nGetRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x84\x01\n\x0bGetResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05slots\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.SlotList\x12\x1e\n\x04tail\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Slot\x12\x1e\n\x16lease_deadline_unix_ms\x18\x04 \x01(\x04\"\x86\x01\n\x0cWatchRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"T\n\nWatchEvent\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12#\n\x05slots\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.SlotList\"7\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"4\n\x12RenewLeaseResponse\x12\x1e\n\x16lease_deadline_unix_ms\x18\x01 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\";\n\x14ReleaseLeaseResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\r\x12\x11\n\treclaimed\x18\x02 \x01(\r\"\x8d\x01\n\x0ePutBytesHeader\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x15\n\rtail_lease_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"W\n\x0fPutBytesRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PutBytesHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"<\n\x10PutBytesResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\"w\n\x0fGetBytesRequest\x12(\n\x07profile\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08tail_key\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"F\n\x10GetBytesResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x10\n\x08has_tail\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xbd\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Tier\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\x08 \x01(\x04\"\xc0\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.TierStats\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x15\n\rbytes_written\x18\x04 \x01(\x04\x12\x12\n\nbytes_read\x18\x05 \x01(\x04\x12\x15\n\ractive_leases\x18\x06 \x01(\r\x12\x10\n\x08watchers\x18\x07 \x01(\r\x12\x17\n\x0fredis_connected\x18\x08 \x01(\x08*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_DRAM\x10\x02*m\n\tSlotState\x12\x1a\n\x16SLOT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10SLOT_STATE_WRITE\x10\x01\x12\x16\n\x12SLOT_STATE_PRESENT\x10\x02\x12\x16\n\x12SLOT_STATE_PENDING\x10\x03\x32\xc3\x05\n\x07KVStore\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12N\n\x0b\x41llocatePut\x12\x1e.pdserve.v1.AllocatePutRequest\x1a\x1f.pdserve.v1.AllocatePutResponse\x12H\n\tCommitPut\x12\x1c.pdserve.v1.CommitPutRequest\x1a\x1d.pdserve.v1.CommitPutResponse\x12\x36\n\x03Get\x12\x16.pdserve.v1.GetRequest\x1a\x17.pdserve.v1.GetResponse\x12;\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x16.pdserve.v1.WatchEvent0\x01\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12Q\n\x0cReleaseLease\x12\x1f.pdserve.v1.ReleaseLeaseRequest\x1a .pdserve.v1.ReleaseLeaseResponse\x12G\n\x08PutBytes\x12\x1b.pdserve.v1.PutBytesRequest\x1a\x1c.pdserve.v1.PutBytesResponse(\x01\x12G\n\x08GetBytes\x12\x1b.pdserve.v1.GetBytesRequest\x1a\x1c.pdserve.v1.GetBytesResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2409
-  _globals['_TIER']._serialized_end=2469
-  _globals['_SLOTSTATE']._serialized_start=2471
-  _globals['_SLOTSTATE']._serialized_end=2580
+  _globals['_TIER']._serialized_start=2416
+  _globals['_TIER']._serialized_end=2476
+  _globals['_SLOTSTATE']._serialized_start=2478
+  _globals['_SLOTSTATE']._serialized_end=2587
   _globals['_SLOTLIST']._serialized_start=65
   _globals['_SLOTLIST']._serialized_end=125
   _globals['_SLOT']._serialized_start=127
@@ -59,31 +59,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=1090
   _globals['_WATCHREQUEST']._serialized_end=1224
   _globals['_WATCHEVENT']._serialized_start=1226
-  _globals['_WATCHEVENT']._serialized_end=1303
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1305
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1360
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1362
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1414
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1416
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1455
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1457
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1516
-  _globals['_PUTBYTESHEADER']._serialized_start=1519
-  _globals['_PUTBYTESHEADER']._serialized_end=1660
-  _globals['_PUTBYTESREQUEST']._serialized_start=1662
-  _globals['_PUTBYTESREQUEST']._serialized_end=1749
-  _globals['_PUTBYTESRESPONSE']._serialized_start=1751
-  _globals['_PUTBYTESRESPONSE']._serialized_end=1811
-  _globals['_GETBYTESREQUEST']._serialized_start=1813
-  _globals['_GETBYTESREQUEST']._serialized_end=1932
-  _globals['_GETBYTESRESPONSE']._serialized_start=1934
-  _globals['_GETBYTESRESPONSE']._serialized_end=2004
-  _globals['_STATSREQUEST']._serialized_start=2006
-  _globals['_STATSREQUEST']._serialized_end=2020
-  _globals['_TIERSTATS']._serialized_start=2023
-  _globals['_TIERSTATS']._serialized_end=2212
-  _globals['_STATSRESPONSE']._serialized_start=2215
-  _globals['_STATSRESPONSE']._serialized_end=2407
-  _globals['_KVSTORE']._serialized_start=2583
-  _globals['_KVSTORE']._serialized_end=3290
+  _globals['_WATCHEVENT']._serialized_end=1310
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1312
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1367
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1369
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1421
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1423
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1462
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1464
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1523
+  _globals['_PUTBYTESHEADER']._serialized_start=1526
+  _globals['_PUTBYTESHEADER']._serialized_end=1667
+  _globals['_PUTBYTESREQUEST']._serialized_start=1669
+  _globals['_PUTBYTESREQUEST']._serialized_end=1756
+  _globals['_PUTBYTESRESPONSE']._serialized_start=1758
+  _globals['_PUTBYTESRESPONSE']._serialized_end=1818
+  _globals['_GETBYTESREQUEST']._serialized_start=1820
+  _globals['_GETBYTESREQUEST']._serialized_end=1939
+  _globals['_GETBYTESRESPONSE']._serialized_start=1941
+  _globals['_GETBYTESRESPONSE']._serialized_end=2011
+  _globals['_STATSREQUEST']._serialized_start=2013
+  _globals['_STATSREQUEST']._serialized_end=2027
+  _globals['_TIERSTATS']._serialized_start=2030
+  _globals['_TIERSTATS']._serialized_end=2219
+  _globals['_STATSRESPONSE']._serialized_start=2222
+  _globals['_STATSRESPONSE']._serialized_end=2414
+  _globals['_KVSTORE']._serialized_start=2590
+  _globals['_KVSTORE']._serialized_end=3297
 # @@protoc_insertion_point(module_scope)

@@ -153,14 +153,14 @@ class WatchRequest(_message.Message):
     def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("lease_id", "index", "slot")
+    __slots__ = ("lease_id", "indices", "slots")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    index: int
-    slot: Slot
-    def __init__(self, lease_id: _Optional[str] = ..., index: _Optional[int] = ..., slot: _Optional[_Union[Slot, _Mapping]] = ...) -> None: ...
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    slots: SlotList
+    def __init__(self, lease_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "lease_ms")

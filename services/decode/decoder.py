@@ -17,7 +17,6 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import InvalidArgument, NotFound, PdserveError, ResourceExhausted, Unavailable
-from pdserve.kv.store_client import slot_from_pb
 from pdserve.model.tokenizer import TextStream
 from pdserve.serving.bootstrap import Worker
 from pdserve.serving.engine_thread import Progress
@@ -180,7 +179,8 @@ class Decoder:
             raise InvalidArgument("prefill's block hashes do not match this request's prompt")
         pulled = list(range(n_local, n_local + len(pages)))
         if first.checksums:
-            ours = await self.w.engine.call(lambda e: block_checksums(e.kv_cache, pages))
+            # Off the engine thread: these pages are reserved and not yet decoded from, so nothing writes them.
+            ours = await asyncio.to_thread(block_checksums, self.w.engine.engine.kv_cache, pages)
             bad = [i for i, c in zip(pulled, ours, strict=True) if first.checksums[i] != c]
             if bad:
                 raise CorruptKV(f"KV blocks {bad[:5]} of request {req.request_id!r} fail their checksum")
@@ -192,10 +192,10 @@ class Decoder:
         store = self.w.store
         lease = ""
         got = 0
-        async for ev in store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600):
-            lease = ev.lease_id
-            await store.read_slots([slot_from_pb(ev.slot)], self.w.pages.of([pages[ev.index]]))
-            got += 1
+        async for batch in store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600):
+            lease = batch.lease_id
+            await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
+            got += len(batch.indices)
             entry.last_activity = time.monotonic()
             if got == len(pages):
                 break

@@ -87,9 +87,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         delivered = 0
         try:
             while delivered < total:
-                index, ref = await watcher.queue.get()
-                delivered += 1
-                yield pb.WatchEvent(lease_id=watcher.lease.lease_id, index=index, slot=_slot_pb(ref))
+                ready = [await watcher.queue.get()]
+                while not watcher.queue.empty():
+                    ready.append(watcher.queue.get_nowait())
+                delivered += len(ready)
+                yield pb.WatchEvent(lease_id=watcher.lease.lease_id, indices=[i for i, _ in ready],
+                                    slots=_slots_pb([ref for _, ref in ready]))
         finally:
             # Complete: the client reads, then releases (or the lease lapses). Cut short: the
             # client is gone or gave up, so nothing it pinned may stay pinned.

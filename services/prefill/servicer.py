@@ -39,4 +39,5 @@ def to_pb(out: PrefillOutput, text: str, prompt_tokens: int) -> prefill_pb2.Pref
         usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens_local=out.cached_local,
                                cached_tokens_store=out.cached_store, computed_tokens=out.computed),
         timings=common_pb2.Timings(prefill_ms=t["prefill_ms"], store_write_ms=t["store_write_ms"],
+                                   store_write_exposed_ms=t["store_write_exposed_ms"],
                                    queue_ms=t["load_ms"], total_ms=t["total_ms"]))

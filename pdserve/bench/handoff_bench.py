@@ -1,0 +1,195 @@
+"""`pdserve bench handoff`: the KV handoff's cost and what disaggregation buys.
+
+1. TTFT of one request, broken into queue/load, prefill compute, store write (and how much of
+   it hid behind compute), and decode's wait for the KV, for several prompt lengths.
+2. ITL of N running decodes while long prompts keep arriving: (a) disaggregated, a prefill and a
+   decode worker with one core each; (b) one colocated worker with both cores; plus the same
+   decodes with no prompts arriving. All in the same run, on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+from pdserve.bench.report import Target, emit
+from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
+from pdserve.serving.dispatch import Finished, FirstFromPrefill, disaggregated
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 131 + salt * 7919 + 3) % 250 for i in range(n)]
+
+
+class Procs:
+    def __init__(self, redis_url: str, prefix: str):
+        self.common = ["--redis-url", redis_url, "--key-prefix", prefix]
+        self.procs: list[ServiceProcess] = []
+
+    def start(self, module: str, *flags: str) -> ServiceProcess:
+        p = ServiceProcess(module, "--model", "tiny", *self.common, *flags).start()
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+async def _disagg_request(p, d, rid, ids, max_tokens, times: list[float] | None = None) -> dict:
+    sp = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    out: dict = {}
+    async for ev in disaggregated(p, d, rid, ids, sp):
+        now = time.perf_counter()
+        if isinstance(ev, FirstFromPrefill):
+            out["ttft_ms"] = (now - t0) * 1e3
+            out["prefill"] = ev.response
+        elif isinstance(ev, Finished):
+            out["done"] = ev.done
+        elif times is not None:
+            times.append(now)
+    return out
+
+
+async def _colocated_request(d, rid, ids, max_tokens, times: list[float] | None = None) -> None:
+    call = d.Generate(decode_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                                  ignore_eos=True),
+        mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=600)
+    async for ev in call:
+        if ev.HasField("token") and times is not None and ev.token.index > 0:
+            times.append(time.perf_counter())
+
+
+async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int], repeats: int) -> list[dict]:
+    from pdserve.server import channel
+
+    rows = []
+    async with channel(prefill_addr) as pc, channel(decode_addr) as dc:
+        p, d = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
+        await _disagg_request(p, d, "warmup", _prompt(64, 0), 2)
+        for n in lengths:
+            samples = [await _disagg_request(p, d, f"ttft-{n}-{r}", _prompt(n, 100 + r), 4) for r in range(repeats)]
+            t = [s["prefill"].timings for s in samples]
+            med = statistics.median
+            write = med([x.store_write_ms for x in t])
+            exposed = med([x.store_write_exposed_ms for x in t])
+            rows.append({
+                "prompt_tokens": n, "ttft_ms": med([s["ttft_ms"] for s in samples]),
+                "queue_and_load_ms": med([x.queue_ms for x in t]), "prefill_compute_ms": med([x.prefill_ms for x in t]),
+                "store_write_ms": write, "store_write_exposed_ms": exposed,
+                "finish_after_first_token_ms": med([x.total_ms - x.prefill_ms - x.queue_ms for x in t]),
+                "transfer_hidden_fraction": max(0.0, 1 - exposed / write) if write > 0 else 0.0,
+                "decode_pull_wait_ms": med([s["done"].timings.pull_wait_ms for s in samples]),
+            })
+    return rows
+
+
+async def itl_under_load(mode: str, prefill_addr: str, decode_addr: str, args) -> dict:
+    """ITL of `args.decodes` running decodes, while long prompts arrive (unless mode ends in _idle)."""
+    from pdserve.server import channel
+
+    async with channel(decode_addr) as dc, channel(prefill_addr or decode_addr) as pc:
+        d, p = decode_pb2_grpc.DecodeStub(dc), prefill_pb2_grpc.PrefillStub(pc)
+        colocated = mode.startswith("colocated")
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def one_decode(i: int) -> None:
+            times: list[float] = []
+            ids = _prompt(64, 500 + i)
+            if colocated:
+                await _colocated_request(d, f"{mode}-dec-{i}", ids, args.decode_tokens, times)
+            else:
+                await _disagg_request(p, d, f"{mode}-dec-{i}", ids, args.decode_tokens, times)
+            gaps.extend((b - a) * 1e3 for a, b in zip(times[5:], times[6:], strict=False))
+
+        async def prompts() -> int:
+            sent = 0
+            while not stop.is_set():
+                ids = _prompt(args.interfere_tokens, 900 + sent)
+                rid = f"{mode}-long-{sent}"
+                if colocated:
+                    task = _colocated_request(d, rid, ids, 2)
+                else:
+                    task = _disagg_request(p, d, rid, ids, 2)
+                asyncio.ensure_future(task)
+                sent += 1
+                try:
+                    await asyncio.wait_for(stop.wait(), args.interfere_every_s)
+                except TimeoutError:
+                    pass
+            return sent
+
+        interferer = None if mode.endswith("_idle") else asyncio.ensure_future(prompts())
+        await asyncio.gather(*(one_decode(i) for i in range(args.decodes)))
+        stop.set()
+        sent = await interferer if interferer else 0
+        await asyncio.sleep(0.5)
+        return {"mode": mode, "itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99), "itl_samples": len(gaps),
+                "long_prompts_sent": sent}
+
+
+def run(args: argparse.Namespace) -> None:
+    from pdserve import logs
+
+    logs.configure("bench", level="WARNING")
+    own_redis = None
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not redis_reachable(redis_url):
+        own_redis = RedisServer().start()
+        redis_url = own_redis.url
+    procs = Procs(redis_url, f"pdbench-handoff-{os.getpid()}")
+    try:
+        store = procs.start("services.kvstore", "--device-bytes", str(1 << 30), "--dram-bytes", str(1 << 30))
+        worker = ["--store", store.address, "--num-blocks", str(args.num_blocks)]
+        pre = procs.start("services.prefill", *worker, "--threads", "1")
+        dec = procs.start("services.decode", *worker, "--threads", "1")
+        ttft = asyncio.run(ttft_breakdown(pre.address, dec.address, args.lengths, args.repeats))
+        itl = [asyncio.run(itl_under_load("disagg_idle", pre.address, dec.address, args)),
+               asyncio.run(itl_under_load("disagg", pre.address, dec.address, args))]
+        colo = procs.start("services.decode", *worker, "--threads", "2")
+        itl += [asyncio.run(itl_under_load("colocated_idle", "", colo.address, args)),
+                asyncio.run(itl_under_load("colocated", "", colo.address, args))]
+    finally:
+        procs.stop()
+        if own_redis:
+            own_redis.stop()
+    by = {r["mode"]: r for r in itl}
+    figures = {"ttft": ttft, "itl": itl, "decodes": args.decodes, "decode_tokens": args.decode_tokens,
+               "interfere_tokens": args.interfere_tokens, "interfere_every_s": args.interfere_every_s}
+    targets = [Target("disagg_itl_p99_vs_idle", by["disagg"]["itl_p99_ms"] / by["disagg_idle"]["itl_p99_ms"], "x",
+                      1.3, "<=")]
+    lines = [f"TTFT {r['prompt_tokens']:>5} tok: {r['ttft_ms']:7.1f} ms = load {r['queue_and_load_ms']:.1f} + "
+             f"prefill {r['prefill_compute_ms']:.1f} + finish {r['finish_after_first_token_ms']:.1f} (of which "
+             f"store write {r['store_write_exposed_ms']:.1f}); store write total {r['store_write_ms']:.1f} ms "
+             f"({r['transfer_hidden_fraction']:.0%} hidden behind compute); decode pull wait "
+             f"{r['decode_pull_wait_ms']:.1f} ms" for r in ttft]
+    lines += [f"ITL {r['mode']:<15} p50 {r['itl_p50_ms']:6.2f} ms  p99 {r['itl_p99_ms']:7.2f} ms  "
+              f"({r['itl_samples']} gaps, {r['long_prompts_sent']} long prompts)" for r in itl]
+    emit(figures, targets, args.json, lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("handoff", help="TTFT breakdown of the KV handoff; ITL disaggregated vs colocated")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decodes", type=int, default=8)
+    p.add_argument("--decode-tokens", type=int, default=300)
+    p.add_argument("--interfere-tokens", type=int, default=2048)
+    p.add_argument("--interfere-every-s", type=float, default=0.5)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
