@@ -1,0 +1,99 @@
+"""Per-request records and their summary: percentiles, throughput, hit ratios, SLO attainment,
+goodput (DistServe: the highest rate at which >= 90% of requests meet both TTFT and TPOT SLOs),
+and the pooled-cache bound for cache-aware routing."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Record:
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    kind: str = ""
+    ok: bool = False
+    error: str = ""
+    ttft_ms: float = math.nan
+    tpot_ms: float = math.nan
+    e2e_ms: float = math.nan
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_local: int = 0
+    cached_store: int = 0
+    computed: int = 0
+    prefill_worker: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), NaN for no data."""
+    vals = sorted(x for x in xs if not math.isnan(x))
+    if not vals:
+        return math.nan
+    pos = (len(vals) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def meets_slo(r: Record, ttft_ms: float, tpot_ms: float) -> bool:
+    if not r.ok or r.ttft_ms > ttft_ms:
+        return False
+    return r.output_tokens <= 1 or r.tpot_ms <= tpot_ms
+
+
+def attainment(records: Sequence[Record], ttft_ms: float, tpot_ms: float) -> float:
+    return sum(meets_slo(r, ttft_ms, tpot_ms) for r in records) / len(records) if records else 0.0
+
+
+def goodput(attained_by_rate: dict[float, float], threshold: float = 0.9) -> float:
+    """Highest swept rate whose attainment is >= threshold (0 when none is)."""
+    ok = [rate for rate, a in attained_by_rate.items() if a >= threshold]
+    return max(ok) if ok else 0.0
+
+
+def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
+    ok = [r for r in records if r.ok]
+    out: dict = {"requests": len(records), "ok": len(ok), "errors": len(records) - len(ok), "wall_s": wall_s}
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        vals = [getattr(r, name) for r in ok]
+        out[name] = {f"p{q}": percentile(vals, q) for q in (50, 90, 99)}
+    itl = [x for r in ok for x in r.itl_ms]
+    out["itl_ms"] = {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}
+    out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else 0.0
+    out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0
+    prompt = sum(r.prompt_tokens for r in ok)
+    local, store = sum(r.cached_local for r in ok), sum(r.cached_store for r in ok)
+    out["prefix_hit_ratio_tokens"] = (local + store) / prompt if prompt else 0.0
+    out["hit_tokens_local"], out["hit_tokens_store"], out["prompt_tokens"] = local, store, prompt
+    out["slo"] = {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms,
+                  "attainment": attainment(records, ttft_slo_ms, tpot_slo_ms)}
+    return out
+
+
+def lru_hit_ratio(chains: Iterable[Sequence[object]], capacity_blocks: int) -> float:
+    """Block hit ratio of one LRU cache of `capacity_blocks` over requests' block chains, in order.
+
+    A block hits when it is cached as part of the request's leading cached run (prefix caching:
+    a block after a miss cannot be reused), then every block of the request is inserted.
+    """
+    cache: OrderedDict[object, None] = OrderedDict()
+    hits = total = 0
+    for chain in chains:
+        total += len(chain)
+        for block in chain:
+            if block not in cache:
+                break
+            hits += 1
+        for block in chain:
+            cache[block] = None
+            cache.move_to_end(block)
+            while len(cache) > capacity_blocks:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0

@@ -1,0 +1,92 @@
+"""The serving benchmark's own logic, and a short real run against a stack started here."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from pdserve.bench import workloads
+from pdserve.bench.serve_stats import Record, attainment, goodput, lru_hit_ratio, percentile, summarize
+from pdserve.kv.hashing import block_hashes
+from tests.support.procs import ROOT
+from tests.support.stack import Stack
+
+
+def test_hash_ids_map_to_tokens_keeping_the_prefix_structure(tmp_path, tiny):
+    trace = tmp_path / "t.jsonl"
+    recs = [{"timestamp": 0, "input_length": 2048, "output_length": 5, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 1500, "input_length": 1400, "output_length": 7, "hash_ids": [1, 2, 9]},
+            {"timestamp": 2000, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 8]},
+            {"timestamp": 3000, "input_length": 512, "output_length": 1, "hash_ids": [7]}]
+    trace.write_text("\n".join(json.dumps(r) for r in recs))
+    reqs = workloads.mooncake(trace, k=16, time_scale=0.5)
+    # 2048*16/512, round(1400*16/512), 1536*16/512, 512*16/512
+    assert [len(r.prompt_ids) for r in reqs] == [64, 44, 48, 16]
+    assert [r.arrival_s for r in reqs] == [0.0, 0.75, 1.0, 1.5] and [r.max_tokens for r in reqs] == [5, 7, 2, 1]
+    from pdserve.engine.engine import LLMEngine
+
+    profile = LLMEngine(tiny).profile
+    a, b, d, c = (block_hashes(r.prompt_ids, profile) for r in reqs)
+    assert len(b) == 2 and b == a[:2]  # the partial third block of b is not a block
+    assert d[:2] == a[:2] and d[2] != a[2]  # shared exactly as far as hash_ids agree
+    assert not set(c) & set(a)
+    assert workloads.block_tokens(2, 16) == reqs[0].prompt_ids[16:32] == reqs[1].prompt_ids[16:32]
+
+
+def test_real_mooncake_trace_loads():
+    reqs = workloads.mooncake(max_requests=50, k=16)
+    assert len(reqs) == 50 and reqs[0].arrival_s == 0.0
+    assert all(0 <= t < 250 for r in reqs for t in r.prompt_ids)
+
+
+def test_percentiles_attainment_and_goodput_on_known_inputs():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert math.isnan(percentile([], 50))
+    recs = [Record(0, 10, 4, ok=True, ttft_ms=t, tpot_ms=p, output_tokens=4) for t, p in
+            [(100, 10), (200, 20), (300, 30), (400, 40)]] + [Record(0, 10, 4, ok=False)]
+    assert attainment(recs, ttft_ms=250, tpot_ms=25) == 2 / 5
+    assert attainment(recs, ttft_ms=1000, tpot_ms=100) == 4 / 5
+    assert goodput({1.0: 0.99, 2.0: 0.95, 4.0: 0.91, 8.0: 0.5}) == 4.0
+    assert goodput({1.0: 0.5}) == 0.0
+    s = summarize(recs, wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
+    assert s["ttft_ms"]["p50"] == 250 and s["ok"] == 4 and s["errors"] == 1 and s["throughput_rps"] == 2.0
+
+
+def test_pooled_lru_bound_on_a_handmade_trace():
+    chains = [["a", "b", "c"], ["a", "b", "d"], ["e"], ["a", "x"], ["e", "f"]]
+    # Capacity 10 (never evicts): hits a,b (req 2) + a (req 4) + e (req 5) = 4 of 11 blocks.
+    assert lru_hit_ratio(chains, 10) == pytest.approx(4 / 11)
+    # Capacity 3: after req 2 the cache is b,c... evictions break the later reuse exactly as LRU says.
+    assert lru_hit_ratio(chains, 3) == pytest.approx(3 / 11)
+    assert lru_hit_ratio(chains, 0) == 0.0
+
+
+def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
+    s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(1, 1)
+    s.start_router()
+    try:
+        s.wait_pool(2)
+        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--router", s.router.address,
+                              "--workload", "shared-prefix", "--max-requests", "6", "--rates", "4,8",
+                              "--out", str(tmp_path), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        doc = json.loads(out.stdout)
+        summ = doc["summary"]
+        assert summ["requests"] == 6 and summ["ok"] == 6
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert all(summ[name][q] > 0 for q in ("p50", "p90", "p99")), name
+        assert summ["throughput_rps"] > 0 and summ["prefix_hit_ratio_tokens"] > 0
+        assert set(doc["sweep"]) == {"4.0", "8.0"} and "goodput_rps" in doc and doc["targets"] == []
+        full = json.loads((tmp_path / "serve.json").read_text())
+        assert len(full["records"]) == 6 and all(r["ok"] and r["output_tokens"] == 16 for r in full["records"])
+        report = (tmp_path / "report.md").read_text()
+        assert "| ttft_ms |" in report and "Goodput" in report
+    finally:
+        s.stop()
