@@ -90,3 +90,16 @@ def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
         assert "| ttft_ms |" in report and "Goodput" in report
     finally:
         s.stop()
+
+
+def test_pooled_bound_over_token_prefixes_matches_block_structure():
+    from pdserve.bench.compare_bench import pooled_bound
+    from pdserve.bench.workloads import BenchRequest
+
+    a = list(range(48))
+    b = a[:32] + [999] * 16
+    reqs = [BenchRequest(0, a, 1), BenchRequest(1, b, 1), BenchRequest(2, a, 1)]
+    # Unbounded: b hits 2 of 3, the repeat of a hits 3 of 3: 5 of 9 blocks.
+    assert pooled_bound(reqs, 100, 16) == pytest.approx(5 / 9)
+    # Room for 3 blocks: b evicts a's third block -> the repeat of a hits its first 2 only.
+    assert pooled_bound(reqs, 3, 16) == pytest.approx(4 / 9)

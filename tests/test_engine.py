@@ -263,3 +263,29 @@ def test_abort_frees_pages(tiny):
     engine.step()
     assert engine.abort("a") and engine.abort("w") and not engine.abort("nope")
     assert engine.scheduler.pool.num_used_blocks == 0 and not engine.has_work()
+
+
+def test_mock_engine_is_deterministic_chunk_independent_and_handoff_exact(tiny):
+    from pdserve.engine.mock_runner import CostModel
+
+    cost = CostModel(step_ms=0.0, prefill_ms_per_token=0.0, prefill_ms_per_token_ctx=0.0, decode_ms_per_seq=0.0,
+                     decode_ms_per_ctx_token=0.0)
+    prompts = [prompt(n) for n in LENGTHS[:5]]
+    one = LLMEngine(tiny, EngineConfig(num_blocks=600, mock_cost=cost)).generate(prompts, GREEDY)
+    chunked = LLMEngine(tiny, EngineConfig(num_blocks=600, mock_cost=cost, max_num_batched_tokens=5)).generate(
+        prompts, GREEDY)
+    assert [r.token_ids for r in one] == [r.token_ids for r in chunked]
+    assert one[0].token_ids != one[1].token_ids
+    pe = LLMEngine(tiny, EngineConfig(num_blocks=64, role=Role.PREFILL, mock_cost=cost))
+    pe.add_request("m", prompts[4], GREEDY)
+    run_all(pe)
+    kv = pe.export_kv("m")
+    assert kv.profile.model_fingerprint.startswith("mock-") and kv.data.abs().sum() > 0
+    de = LLMEngine(tiny, EngineConfig(num_blocks=64, role=Role.DECODE, mock_cost=cost))
+    first = de.import_kv(kv, GREEDY)
+    assert [first.token_id] + run_all(de)["m"] == one[4].token_ids
+    with pytest.raises(ValueError, match="model fingerprint differs"):
+        LLMEngine(tiny, EngineConfig(num_blocks=64, role=Role.DECODE)).import_kv(kv, GREEDY)
+    # The cost model's step time: 2 prefill chunks and 1 decode.
+    assert CostModel(1, 0.1, 0.0, 0.5, 0.01).step_time_ms(
+        __import__("pdserve.engine.scheduler", fromlist=["SchedulerOutput"]).SchedulerOutput(())) == 1

@@ -27,6 +27,7 @@ class Record:
     cached_store: int = 0
     computed: int = 0
     prefill_worker: str = ""
+    route_ms: float = math.nan  # the routing decision, measured inside the router
 
     def to_dict(self) -> dict:
         return asdict(self)

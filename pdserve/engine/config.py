@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class Role(enum.Enum):
@@ -21,6 +22,7 @@ class EngineConfig:
     max_num_seqs: int = 128  # running sequences at once
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    mock_cost: Any = None  # a mock_runner.CostModel: run the mock engine instead of the model
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

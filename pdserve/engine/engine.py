@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, Role
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.mock_runner import MockRunner, mock_fingerprint
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -63,10 +64,16 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         layout = KVLayout.for_model(loaded.config, self.config.block_size, loaded.dtype)
-        self.profile = HashProfile(loaded.fingerprint, layout)
+        fingerprint = loaded.fingerprint
+        if self.config.mock_cost is not None:
+            fingerprint = mock_fingerprint(fingerprint)
+        self.profile = HashProfile(fingerprint, layout)
         self.kv_cache = KVCache(layout, self.config.num_blocks)
         self.scheduler = Scheduler(self.config, self.profile, loaded.config.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        if self.config.mock_cost is not None:
+            self.runner = MockRunner(self.kv_cache, loaded.config.vocab_size, self.config.mock_cost)
+        else:
+            self.runner = ModelRunner(loaded.model, self.kv_cache)
         self._ids = itertools.count()
         self.last_progress: dict[str, int] = {}
 

@@ -10,6 +10,7 @@ import torch
 from pdserve import logs
 from pdserve.engine.config import EngineConfig, Role
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.mock_runner import CostModel
 from pdserve.kv.layout import HashProfile
 from pdserve.kv.store_client import StoreClient
 from pdserve.kv.transfer import Transfer
@@ -47,9 +48,10 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model = load_model(cfg.model, parse_dtype(cfg.dtype))
+    mock = CostModel.load(cfg.mock_cost).scaled(cfg.mock_scale) if cfg.engine == "mock" else None
     engine = LLMEngine(model, EngineConfig(role=role, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                           max_num_seqs=cfg.max_num_seqs))
+                                           max_num_seqs=cfg.max_num_seqs, mock_cost=mock))
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     transfer.register(engine.kv_cache.tensor)
     store = StoreClient(cfg.store, engine.profile, transfer, timeout_s=cfg.store_timeout_ms / 1000)

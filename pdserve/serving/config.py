@@ -21,6 +21,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = field(2048, "per-step token budget (chunked prefill)")
     max_num_seqs: int = field(128, "running sequences at once")
     threads: int = field(0, "torch threads (0: torch's default)")
+    engine: str = field("real", "real | mock (cost-model timing, no model compute)")
+    mock_cost: str = field("", "mock engine cost model: JSON file or inline JSON (default: fitted to tiny here)")
+    mock_scale: float = field(1.0, "multiply every mock cost by this (e.g. to mimic a larger model)")
     store: str = field("127.0.0.1:50051", "kvstore address")
     store_timeout_ms: int = field(5000, "deadline of each store call")
     lease_ms: int = field(10_000, "store lease length for this worker's reads and writes")
@@ -34,6 +37,8 @@ class WorkerConfig:
     grace_s: float = field(5.0, "drain period on SIGTERM")
 
     def __post_init__(self) -> None:
+        if self.engine not in ("real", "mock"):
+            raise ValueError(f"engine must be real or mock, got {self.engine!r}")
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "store_timeout_ms",
                      "lease_ms", "tail_ttl_ms", "prefill_timeout_ms"):
             if getattr(self, name) <= 0:

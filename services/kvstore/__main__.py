@@ -30,10 +30,12 @@ def hash_profile(cfg: KVStoreConfig) -> HashProfile:
             raise ValueError(f"--kv-layout wants 'layers,kv_heads,block_size,head_dim,dtype', got {cfg.kv_layout!r}")
         layers, heads, block, dim = (int(x) for x in parts[:4])
         return HashProfile(cfg.model_fingerprint, KVLayout(layers, heads, block, dim, parts[4]))
+    from pdserve.engine.mock_runner import mock_fingerprint
     from pdserve.model.loader import load_model
 
     loaded = load_model(cfg.model, parse_dtype(cfg.dtype))
-    return HashProfile(loaded.fingerprint, KVLayout.for_model(loaded.config, cfg.block_size, loaded.dtype))
+    fingerprint = mock_fingerprint(loaded.fingerprint) if cfg.engine == "mock" else loaded.fingerprint
+    return HashProfile(fingerprint, KVLayout.for_model(loaded.config, cfg.block_size, loaded.dtype))
 
 
 def device_name(cfg: KVStoreConfig) -> str:

@@ -16,6 +16,7 @@ class KVStoreConfig:
     port_file: str = field("", "write the bound port here once serving")
     model: str = field("tiny", "model whose KV this store serves: 'tiny' or a checkpoint directory")
     dtype: str = field("float32", "KV dtype")
+    engine: str = field("real", "real | mock: the workers' engine (mock KV has its own profile)")
     block_size: int = field(16, "tokens per block")
     kv_layout: str = field("", "explicit layout 'layers,kv_heads,block_size,head_dim,dtype' (with --model-fingerprint)")
     model_fingerprint: str = field("", "fingerprint for an explicit --kv-layout")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.engine.mock_runner import mock_fingerprint
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.model.config import parse_dtype
 from pdserve.model.loader import load_model
@@ -25,7 +26,8 @@ log = logs.get("router")
 async def main() -> None:
     cfg = parse_config(RouterConfig, "python -m services.router")
     model = load_model(cfg.model, parse_dtype(cfg.dtype))
-    profile = HashProfile(model.fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))
+    fingerprint = mock_fingerprint(model.fingerprint) if cfg.engine == "mock" else model.fingerprint
+    profile = HashProfile(fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))
     redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     keys = RedisKeys(cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s)

@@ -16,6 +16,7 @@ class RouterConfig:
     port_file: str = field("", "write the bound port here once serving")
     model: str = field("tiny", "model whose tokenizer and hash profile the pool serves")
     dtype: str = field("float32", "KV dtype of the pool")
+    engine: str = field("real", "real | mock: the workers' engine (mock KV has its own profile)")
     block_size: int = field(16, "tokens per KV block")
     redis_url: str = field("redis://127.0.0.1:6379/0", "Redis: worker registry, prefix index, hit counters")
     key_prefix: str = field("pdserve", "prefix of every Redis key")

@@ -1,0 +1,122 @@
+"""`pdserve bench compare`: several configurations on the same workload, one after another in the
+same run, side by side: disagg vs colocated on the same cores, and the router policies.
+
+Also computes, in the run itself, the pooled-cache bound for the prefix hit ratio: one LRU cache
+as large as every cache that can serve a hit (all workers' caches + the store), same request order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from pdserve.bench.deploy import Deployment, DeploySpec
+from pdserve.bench.report import Target, emit, machine
+from pdserve.bench.serve_bench import add_workload_flags, build_workload, run_load
+from pdserve.bench.serve_stats import lru_hit_ratio, percentile, summarize
+from pdserve.bench.workloads import BenchRequest, with_poisson_arrivals
+
+
+def pooled_bound(reqs: list[BenchRequest], capacity_blocks: int, block_size: int) -> float:
+    """Block hit ratio of one LRU as large as all caches together (chains of full blocks)."""
+    chains = []
+    for r in reqs:
+        ids = r.prompt_ids
+        # A full block is named by everything up to its end: the prefix itself stands for its hash.
+        chains.append([tuple(ids[: (i + 1) * block_size]) for i in range(len(ids) // block_size)])
+    return lru_hit_ratio(chains, capacity_blocks)
+
+
+def block_hit_ratio(records, block_size: int) -> float:
+    hit = sum((r.cached_local + r.cached_store) // block_size for r in records if r.ok)
+    total = sum(r.prompt_tokens // block_size for r in records if r.ok)
+    return hit / total if total else 0.0
+
+
+def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
+    dep = Deployment.start(spec)
+    try:
+        records, wall = asyncio.run(run_load(dep.router.address, reqs, args.max_seconds, args.timeout_s,
+                                             not args.json))
+    finally:
+        dep.stop()
+    summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+    route_ms = [r.route_ms for r in records if r.ok]
+    return {"mode": spec.mode, "policy": spec.policy, "engine": spec.engine, "prefill": spec.prefill,
+            "decode": spec.decode, "summary": summary, "block_hit_ratio": block_hit_ratio(records, spec.block_size),
+            "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
+            "prefill_spread": _spread(records)}
+
+
+def _spread(records) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if r.ok and r.prefill_worker:
+            out[r.prefill_worker] = out.get(r.prefill_worker, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# pdserve bench compare: {doc['workload']}", "", f"Machine: {doc['machine']}", "",
+             "Settings: " + ", ".join(f"{k}={v}" for k, v in doc["settings"].items()), "",
+             "| mode | policy | ok | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p99 ms | hit ratio (blocks) | "
+             "route p99 ms | SLO attainment |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        s = r["summary"]
+        lines.append(f"| {r['mode']} | {r['policy']} | {s['ok']}/{s['requests']} | {s['ttft_ms']['p50']:.0f} / "
+                     f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p99']:.1f} | "
+                     f"{s['itl_ms']['p99']:.1f} | {r['block_hit_ratio']:.1%} | {r['route_ms']['p99']:.2f} | "
+                     f"{s['slo']['attainment']:.0%} |")
+    if "pooled_bound" in doc:
+        lines.append(f"\nPooled-cache bound (one LRU of {doc['pooled_capacity_blocks']} blocks, same order): "
+                     f"{doc['pooled_bound']:.1%} of blocks")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> None:
+    base = build_workload(args)
+    reqs = with_poisson_arrivals(base, args.rate) if args.rate else base
+    runs = []
+    for mode in args.modes.split(","):
+        for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
+            spec = DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
+                              worker_cache_tokens=args.worker_cache_tokens, store_cache_tokens=args.store_cache_tokens,
+                              threads=args.threads)
+            runs.append(run_config(spec, reqs, args))
+    capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
+    doc = {"workload": args.workload, "machine": machine(), "runs": runs,
+           "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
+           "pooled_capacity_blocks": capacity, "pooled_bound": pooled_bound(reqs, capacity, 16)}
+    targets = []
+    by = {(r["mode"], r["policy"]): r for r in runs}
+    if ("disagg", "cache_aware") in by and doc["pooled_bound"] > 0:
+        targets.append(Target(f"cache_aware_hit_vs_pooled_bound_{args.prefill}p",
+                              by[("disagg", "cache_aware")]["block_hit_ratio"] / doc["pooled_bound"], "x", 0.9, ">="))
+    route_p99 = [r["route_ms"]["p99"] for r in runs if r["mode"] == "disagg"]
+    if route_p99:
+        targets.append(Target("router_decision_p99", max(route_p99), "ms", 2.0, "<="))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps({**doc, "targets": [t.to_dict() for t in targets]}, indent=1,
+                                                 default=lambda x: None))
+    (out / "compare.md").write_text(markdown(doc))
+    emit(doc, targets, args.json, [markdown(doc), f"written: {out / 'compare.json'}, {out / 'compare.md'}"])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compare", help="several configurations on one workload, side by side")
+    add_workload_flags(p)
+    p.add_argument("--engine", default="real", choices=["real", "mock"])
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--modes", default="disagg,colocated")
+    p.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: the workload's times)")
+    p.add_argument("--worker-cache-tokens", type=int, default=65536)
+    p.add_argument("--store-cache-tokens", type=int, default=262144)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--out", default="bench-out/compare")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

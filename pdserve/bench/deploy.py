@@ -1,0 +1,99 @@
+"""Start a whole deployment for a benchmark: Redis (existing or our own), store, workers, router."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
+
+
+@dataclass
+class DeploySpec:
+    mode: str = "disagg"  # "disagg": P pool + D pool; "colocated": decode workers prefill for themselves
+    policy: str = "cache_aware"
+    engine: str = "real"  # or "mock"
+    prefill: int = 1
+    decode: int = 1
+    worker_cache_tokens: int = 65536  # KV pages per worker, in tokens (bounds each worker's prefix cache)
+    store_cache_tokens: int = 262144  # store device + DRAM capacity, in tokens
+    block_size: int = 16
+    block_nbytes: int = 65536  # tiny model KV per block (fp32, block 16)
+    threads: int = 1
+    extra_router_flags: tuple[str, ...] = ()
+    extra_worker_flags: tuple[str, ...] = ()
+
+
+@dataclass
+class Deployment:
+    spec: DeploySpec
+    redis_url: str
+    key_prefix: str = field(default_factory=lambda: f"pdbench-{uuid.uuid4().hex[:8]}")
+    procs: list[ServiceProcess] = field(default_factory=list)
+    router: ServiceProcess | None = None
+    _own_redis: RedisServer | None = None
+
+    @classmethod
+    def start(cls, spec: DeploySpec) -> Deployment:
+        url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+        own = None
+        if not redis_reachable(url):
+            own = RedisServer().start()
+            url = own.url
+        d = cls(spec, url, _own_redis=own)
+        try:
+            d._start()
+        except BaseException:
+            d.stop()
+            raise
+        return d
+
+    def _start(self) -> None:
+        s = self.spec
+        common = ["--model", "tiny", "--block-size", str(s.block_size), "--redis-url", self.redis_url,
+                  "--key-prefix", self.key_prefix, "--engine", s.engine]
+        store_blocks = max(16, s.store_cache_tokens // s.block_size)
+        device = store_blocks // 4
+        store = self._add(ServiceProcess("services.kvstore", *common, "--device", "host",
+                                         "--device-bytes", str(device * s.block_nbytes),
+                                         "--dram-bytes", str((store_blocks - device) * s.block_nbytes)))
+        store.start()
+        worker = [*common, "--store", store.address, "--num-blocks", str(s.worker_cache_tokens // s.block_size),
+                  "--threads", str(s.threads), "--heartbeat-s", "0.5", *s.extra_worker_flags]
+        roles = [("prefill", s.prefill), ("decode", s.decode)] if s.mode == "disagg" else [("decode",
+                                                                                             s.prefill + s.decode)]
+        workers = [self._add(ServiceProcess(f"services.{role}", *worker, name=f"{role}-{i}"))
+                   for role, n in roles for i in range(n)]
+        for w in workers:
+            w.spawn()
+        for w in workers:
+            w.wait_ready()
+        router = ["--store", store.address, "--policy", s.policy, "--refresh-s", "0.2", *s.extra_router_flags]
+        if s.mode == "colocated":
+            router += ["--colocate-below-tokens", str(1 << 30)]
+        self.router = self._add(ServiceProcess("services.router", *common, *router))
+        self.router.start()
+        self._wait_pool(len(workers))
+
+    def _add(self, p: ServiceProcess) -> ServiceProcess:
+        self.procs.append(p)
+        return p
+
+    def _wait_pool(self, n: int, timeout_s: float = 60) -> None:
+        from pdserve.client import Client
+
+        with Client(self.router.address) as c:
+            deadline = time.time() + timeout_s
+            while sum(1 for w in c.status().workers if w.healthy) < n:
+                if time.time() > deadline:
+                    raise RuntimeError("workers did not become healthy")
+                time.sleep(0.2)
+        time.sleep(1.0)  # one heartbeat so the router sees every worker's load
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self._own_redis:
+            self._own_redis.stop()
