@@ -79,7 +79,8 @@ class Policy:
         elif self.name == "least_loaded":
             (est, local, fetched), c = min(scored, key=lambda s: (s[1].queued_tokens + s[1].inflight, s[1].worker_id))
         else:
-            (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].worker_id))
+            # Ties (e.g. nothing cached anywhere, idle pool) go to the least busy, then by id.
+            (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].inflight, s[1].worker_id))
         return PrefillChoice(c.worker_id, est, local, fetched)
 
     @staticmethod

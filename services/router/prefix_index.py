@@ -16,32 +16,42 @@ class PrefixHits:
     store_blocks: int  # leading blocks of the chain the store holds
 
 
-def _leading(flags) -> int:
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
+# KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV: the chain.
+# Returns, per key, how many leading hashes of the chain it holds.
+_LEADING_RUNS = """
+local out = {}
+local n = #ARGV
+for k = 1, #KEYS do
+  local c = 0
+  local is_hash = (k == #KEYS)
+  for i = 1, n do
+    local hit
+    if is_hash then
+      hit = redis.call('HEXISTS', KEYS[k], ARGV[i])
+    else
+      hit = redis.call('SISMEMBER', KEYS[k], ARGV[i])
+    end
+    if hit == 1 then c = c + 1 else break end
+  end
+  out[k] = c
+end
+return out
+"""
 
 
 class PrefixIndex:
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys):
         self.redis = redis
         self.keys = keys
+        self._script = redis.register_script(_LEADING_RUNS)
 
     async def lookup(self, hashes: list[bytes], worker_ids: list[str]) -> PrefixHits:
-        """One round trip: SMISMEMBER per worker set, HMGET on the store's index."""
+        """One round trip; Redis itself counts each leading run and returns only the counts."""
         if not hashes:
             return PrefixHits({w: 0 for w in worker_ids}, 0)
-        hexes = [h.hex() for h in hashes]
-        pipe = self.redis.pipeline(transaction=False)
-        for wid in worker_ids:
-            pipe.smismember(self.keys.worker_index(wid), hexes)
-        pipe.hmget(self.keys.store_index(), hexes)
-        results = await pipe.execute()
-        return PrefixHits({w: _leading(r) for w, r in zip(worker_ids, results[:-1], strict=True)},
-                          _leading(results[-1]))
+        keys = [self.keys.worker_index(w) for w in worker_ids] + [self.keys.store_index()]
+        counts = await self._script(keys=keys, args=[h.hex() for h in hashes])
+        return PrefixHits(dict(zip(worker_ids, counts[:-1], strict=True)), counts[-1])
 
     async def record(self, scope: str, lookup_tokens: int, expected_hit_tokens: int, hit_tokens: int) -> None:
         key = self.keys.hits(scope, window_start())

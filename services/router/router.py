@@ -123,7 +123,8 @@ class Router:
         decode = self.pool.workers[dchoice.worker_id]
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
         if prefills:
-            pcands = [PrefillCandidate(w.worker_id, int(w.load.get("queued_tokens", 0)),
+            # Queue: the heartbeat's figure is up to a beat old; what this router sent since is certain.
+            pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
                                        hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight) for w in prefills]
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
@@ -162,10 +163,16 @@ class Router:
         workers = [w for w in (route.prefill, route.decode) if w is not None]
         for w in workers:
             w.inflight += 1
+        prefill_pending = route.prefill is not None
+        if prefill_pending:
+            route.prefill.inflight_tokens += len(ids)
         last = None
         try:
             async for item in self._dispatch(request_id, ids, params, route, summary):
                 now = time.perf_counter()
+                if item.index == 0 and prefill_pending:
+                    route.prefill.inflight_tokens -= len(ids)
+                    prefill_pending = False
                 if item.index == 0:
                     summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
                     self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
@@ -186,6 +193,8 @@ class Router:
         finally:
             for w in workers:
                 w.inflight -= 1
+            if prefill_pending:
+                route.prefill.inflight_tokens -= len(ids)
         total = (time.perf_counter() - t0) * 1e3
         summary.timings_ms["total_ms"] = total
         if summary.completion_tokens > 1:

@@ -39,6 +39,7 @@ class WorkerView:
     stub: object = None
     health: object = None
     inflight: int = 0  # requests this router has on it now
+    inflight_tokens: int = 0  # prompt tokens this router sent to it whose prefill has not returned yet
 
     @property
     def usable(self) -> bool:
