@@ -97,6 +97,26 @@ async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int]
     return rows
 
 
+async def prefix_reuse(prefill_addr: str, decode_addr: str, n: int, repeats: int) -> dict:
+    """TTFT of a prompt whose first 90% is in the prefill worker's cache vs the same length cold."""
+    from pdserve.server import channel
+
+    async with channel(prefill_addr) as pc, channel(decode_addr) as dc:
+        p, d = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
+        cold, warm, cached = [], [], []
+        for r in range(repeats):
+            base = _prompt(n, 7000 + r)
+            cold.append((await _disagg_request(p, d, f"cold-{r}", base, 2))["ttft_ms"])
+            keep = int(n * 0.9)
+            again = await _disagg_request(p, d, f"warm-{r}", base[:keep] + _prompt(n - keep, 8000 + r), 2)
+            warm.append(again["ttft_ms"])
+            u = again["prefill"].usage
+            cached.append(u.cached_tokens_local + u.cached_tokens_store)
+        med = statistics.median
+        return {"prompt_tokens": n, "cold_ttft_ms": med(cold), "cached90_ttft_ms": med(warm),
+                "cached_tokens": med(cached), "ratio": med(warm) / med(cold)}
+
+
 async def itl_under_load(mode: str, prefill_addr: str, decode_addr: str, args) -> dict:
     """ITL of `args.decodes` running decodes, while long prompts arrive (unless mode ends in _idle)."""
     from pdserve.server import channel
@@ -158,6 +178,7 @@ def run(args: argparse.Namespace) -> None:
         pre = procs.start("services.prefill", *worker, "--threads", "1")
         dec = procs.start("services.decode", *worker, "--threads", "1")
         ttft = asyncio.run(ttft_breakdown(pre.address, dec.address, args.lengths, args.repeats))
+        reuse = asyncio.run(prefix_reuse(pre.address, dec.address, args.reuse_tokens, args.repeats))
         itl = [asyncio.run(itl_under_load("disagg_idle", pre.address, dec.address, args)),
                asyncio.run(itl_under_load("disagg", pre.address, dec.address, args))]
         colo = procs.start("services.decode", *worker, "--threads", "2")
@@ -168,15 +189,19 @@ def run(args: argparse.Namespace) -> None:
         if own_redis:
             own_redis.stop()
     by = {r["mode"]: r for r in itl}
-    figures = {"ttft": ttft, "itl": itl, "decodes": args.decodes, "decode_tokens": args.decode_tokens,
-               "interfere_tokens": args.interfere_tokens, "interfere_every_s": args.interfere_every_s}
+    figures = {"ttft": ttft, "prefix_reuse": reuse, "itl": itl, "decodes": args.decodes,
+               "decode_tokens": args.decode_tokens, "interfere_tokens": args.interfere_tokens, "interfere_every_s": args.interfere_every_s}
     targets = [Target("disagg_itl_p99_vs_idle", by["disagg"]["itl_p99_ms"] / by["disagg_idle"]["itl_p99_ms"], "x",
-                      1.3, "<=")]
+                      1.3, "<="),
+               Target("ttft_90pct_cached_vs_cold", reuse["ratio"], "x", 0.25, "<=")]
     lines = [f"TTFT {r['prompt_tokens']:>5} tok: {r['ttft_ms']:7.1f} ms = load {r['queue_and_load_ms']:.1f} + "
              f"prefill {r['prefill_compute_ms']:.1f} + finish {r['finish_after_first_token_ms']:.1f} (of which "
              f"store write {r['store_write_exposed_ms']:.1f}); store write total {r['store_write_ms']:.1f} ms "
              f"({r['transfer_hidden_fraction']:.0%} hidden behind compute); decode pull wait "
              f"{r['decode_pull_wait_ms']:.1f} ms" for r in ttft]
+    lines.append(f"prefix reuse {reuse['prompt_tokens']} tok: cold TTFT {reuse['cold_ttft_ms']:.1f} ms, 90% cached "
+                 f"{reuse['cached90_ttft_ms']:.1f} ms ({reuse['cached_tokens']:.0f} tokens reused), "
+                 f"ratio {reuse['ratio']:.3f}")
     lines += [f"ITL {r['mode']:<15} p50 {r['itl_p50_ms']:6.2f} ms  p99 {r['itl_p99_ms']:7.2f} ms  "
               f"({r['itl_samples']} gaps, {r['long_prompts_sent']} long prompts)" for r in itl]
     emit(figures, targets, args.json, lines)
@@ -186,6 +211,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("handoff", help="TTFT breakdown of the KV handoff; ITL disaggregated vs colocated")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reuse-tokens", type=int, default=4096, help="prompt length of the prefix-reuse figure")
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=300)
     p.add_argument("--interfere-tokens", type=int, default=2048)
