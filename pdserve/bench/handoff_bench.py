@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> None:
             own_redis.stop()
     by = {r["mode"]: r for r in itl}
     figures = {"ttft": ttft, "prefix_reuse": reuse, "itl": itl, "decodes": args.decodes,
-               "decode_tokens": args.decode_tokens, "interfere_tokens": args.interfere_tokens, "interfere_every_s": args.interfere_every_s}
+               "decode_tokens": args.decode_tokens, "interfere_tokens": args.interfere_tokens,
+               "interfere_every_s": args.interfere_every_s}
     targets = [Target("disagg_itl_p99_vs_idle", by["disagg"]["itl_p99_ms"] / by["disagg_idle"]["itl_p99_ms"], "x",
                       1.3, "<="),
                Target("ttft_90pct_cached_vs_cold", reuse["ratio"], "x", 0.25, "<=")]
