@@ -246,3 +246,26 @@ def test_generate_streamed_ends_with_result(stack):
     with Client(stack.router.address) as c:
         items = list(c.generate_streamed("abc", max_tokens=3, ignore_eos=True))
     assert isinstance(items[-1], Result) and items[-1].token_ids == [e.token_id for e in items[:-1]]
+
+
+def test_prometheus_metrics_endpoint(shared_redis_url, key_prefix):
+    import urllib.request
+
+    from pdserve.launch import free_port
+
+    port = free_port()
+    s = Stack(shared_redis_url, key_prefix).start(1, 1)
+    s.start_router("--metrics-port", str(port))
+    try:
+        s.wait_pool(2)
+        with Client(s.router.address) as c:
+            for i in range(3):
+                c.generate(ids(40, 60 + i), max_tokens=4, ignore_eos=True)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "pdserve_router_ttft_ms_count 3" in body
+        assert 'pdserve_router_itl_ms_bucket{le="+Inf"} 9' in body
+        assert "pdserve_router_tpot_ms_count 3" in body and "pdserve_router_route_ms_count 3" in body
+        assert "pdserve_router_prompt_tokens_total 120" in body
+        assert "pdserve_store_up 1" in body and "pdserve_store_bytes_written" in body
+    finally:
+        s.stop()

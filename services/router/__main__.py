@@ -17,7 +17,7 @@ from services.router.config import RouterConfig
 from services.router.metrics import Metrics
 from services.router.router import Router
 from services.router.servicer import RouterServicer
-from services.router.status import status
+from services.router.status import status, store_gauges
 from services.router.workers import WorkerPool
 
 log = logs.get("router")
@@ -31,7 +31,7 @@ async def main() -> None:
     redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     keys = RedisKeys(cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
-    metrics = Metrics()
+    metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
     router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,
                     redis, pool, metrics)
     servicer = RouterServicer(router, lambda: status(router, cfg.store))

@@ -18,9 +18,10 @@ HELP = {
 class Metrics:
     """Owns the router's histograms and counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, gauges=None) -> None:
         self.hist: dict[str, list] = {}
         self.counters: dict[str, int] = {}
+        self.gauges = gauges  # optional async () -> {name: value}, read at each scrape
         self._server: asyncio.base_events.Server | None = None
 
     def observe(self, name: str, value_ms: float) -> None:
@@ -32,7 +33,7 @@ class Metrics:
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def render(self) -> str:
+    def render(self, gauges: dict[str, float] | None = None) -> str:
         lines = []
         for name, (buckets, total, count) in sorted(self.hist.items()):
             metric = f"pdserve_router_{name}"
@@ -45,6 +46,8 @@ class Metrics:
             lines += [f"{metric}_sum {total}", f"{metric}_count {count}"]
         for name, value in sorted(self.counters.items()):
             lines += [f"# TYPE pdserve_router_{name}_total counter", f"pdserve_router_{name}_total {value}"]
+        for name, value in sorted((gauges or {}).items()):
+            lines += [f"# TYPE pdserve_{name} gauge", f"pdserve_{name} {value}"]
         return "\n".join(lines) + "\n"
 
     async def serve(self, host: str, port: int) -> int:
@@ -54,7 +57,8 @@ class Metrics:
                 while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                     pass
                 ok = request.split(b" ")[1:2] == [b"/metrics"]
-                body = self.render().encode() if ok else b"not found\n"
+                gauges = await self.gauges() if ok and self.gauges else None
+                body = self.render(gauges).encode() if ok else b"not found\n"
                 status = b"200 OK" if ok else b"404 Not Found"
                 writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
                              b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)

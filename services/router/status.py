@@ -49,3 +49,16 @@ async def _store(address: str) -> router_pb2.StoreStatus:
                                   device_capacity_blocks=dev.capacity_blocks, dram_used_blocks=dram.used_blocks,
                                   dram_capacity_blocks=dram.capacity_blocks, hits=s.hits, misses=s.misses,
                                   active_leases=s.active_leases)
+
+
+async def store_gauges(address: str) -> dict[str, float]:
+    """The store's transfer and hit counters, for /metrics."""
+    if not address:
+        return {}
+    try:
+        async with channel(address) as ch:
+            s = await kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=2)
+    except grpc.aio.AioRpcError:
+        return {"store_up": 0}
+    return {"store_up": 1, "store_bytes_written": s.bytes_written, "store_bytes_read": s.bytes_read,
+            "store_hit_blocks": s.hits, "store_miss_blocks": s.misses, "store_active_leases": s.active_leases}
