@@ -15,6 +15,7 @@ import math
 import statistics
 import time
 
+from pdserve.bench.engine_bench import decode_step_ms
 from pdserve.bench.report import emit
 from pdserve.bench.workloads import MOONCAKE_TRACE, TOKEN_RANGE
 from pdserve.engine.config import EngineConfig
@@ -50,16 +51,7 @@ def prefill_ttfts(args, concurrency: int) -> list[float]:
 
 def decode_tpot(args, batch: int) -> float:
     engine = _engine(args, batch * (args.decode_context + args.decode_steps + 32))
-    params = SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{i}", _prompt(args.decode_context, i), params)
-    started: set[str] = set()
-    while len(started) < batch:
-        started |= {ev.request_id for ev in engine.step()}
-    t0 = time.perf_counter()
-    for _ in range(args.decode_steps):
-        engine.step()
-    return (time.perf_counter() - t0) * 1e3 / args.decode_steps
+    return decode_step_ms(engine, [_prompt(args.decode_context, i) for i in range(batch)], args.decode_steps)
 
 
 def _sweep(values, measure, ok) -> tuple[int, dict]:

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from pdserve.bench.engine_bench import decode_step_ms
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.mock_runner import CostModel
@@ -25,16 +26,7 @@ def _timed_decode(loaded: LoadedModel, batch: int, ctx: int, steps: int = 8) -> 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=batch * (ctx + steps + 16) // 16 + 8,
                                             max_num_batched_tokens=max(ctx, 2048), max_num_seqs=batch,
                                             enable_prefix_caching=False))
-    for j in range(batch):
-        engine.add_request(f"d{j}", [(i + j) % 250 for i in range(ctx)], SamplingParams(max_tokens=steps + 2,
-                                                                                        ignore_eos=True))
-    started: set[str] = set()
-    while len(started) < batch:
-        started |= {e.request_id for e in engine.step()}
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    return decode_step_ms(engine, [[(i + j) % 250 for i in range(ctx)] for j in range(batch)], steps)
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:

@@ -38,18 +38,23 @@ def ours_prefill(loaded: LoadedModel, length: int, repeats: int) -> float:
     return length / median(times)
 
 
-def ours_decode(loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
-    engine = _engine(loaded, batch, context, steps + 1)
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    for j, p in enumerate(_prompts(batch, context, loaded.config.vocab_size)):
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+    """Admit every prompt, prefill them all, then time `steps` decode steps of the whole batch."""
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for j, p in enumerate(prompts):
         engine.add_request(f"b{j}", p, params)
     started: set[str] = set()
-    while len(started) < batch:
+    while len(started) < len(prompts):
         started |= {ev.request_id for ev in engine.step()}
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return batch * steps / (time.perf_counter() - t0)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def ours_decode(loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
+    engine = _engine(loaded, batch, context, steps + 2)
+    return batch * 1e3 / decode_step_ms(engine, _prompts(batch, context, loaded.config.vocab_size), steps)
 
 
 def _hf_generate(hf, ids: torch.Tensor, new_tokens: int) -> float:

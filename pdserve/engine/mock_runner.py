@@ -24,11 +24,13 @@ class CostModel:
     + n*(c + n/2)*prefill_ms_per_token_ctx; + per decoding sequence decode_ms_per_seq
     + its context * decode_ms_per_ctx_token."""
 
-    step_ms: float = 1.0
-    prefill_ms_per_token: float = 0.08
-    prefill_ms_per_token_ctx: float = 1e-5
-    decode_ms_per_seq: float = 0.15
-    decode_ms_per_ctx_token: float = 2e-4
+    # Defaults: fitted to the real `tiny` engine on the development machine (2 vCPUs, fp32) with
+    # `pdserve bench capacity --fit-cost-model`, 2026-11-29. Refit, or --mock-scale, for others.
+    step_ms: float = 4.84
+    prefill_ms_per_token: float = 0.0822
+    prefill_ms_per_token_ctx: float = 2.16e-5
+    decode_ms_per_seq: float = 0.093
+    decode_ms_per_ctx_token: float = 1.27e-4
 
     def step_time_ms(self, output: SchedulerOutput) -> float:
         t = self.step_ms
