@@ -13,6 +13,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the process that started us dies, however it
+    dies (even SIGKILL), so no service outlives its launcher."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the launcher's own cleanup still stops its children
 
 
 def free_port() -> int:
@@ -51,7 +63,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.time() + 10
         while not redis_reachable(self.url):
             if time.time() > deadline or self.proc.poll() is not None:
@@ -86,7 +98,7 @@ class ServiceProcess:
     def spawn(self) -> ServiceProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
         return self
 
     def wait_ready(self, timeout_s: float = 120) -> ServiceProcess:

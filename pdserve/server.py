@@ -101,7 +101,12 @@ class ServerHandle:
 
     async def shutdown(self) -> None:
         """NOT_SERVING at once, then drain in-flight calls for the grace period."""
-        await self.health.enter_graceful_shutdown()
+        try:
+            # A health watcher that stops reading holds the servicer's lock while it writes:
+            # never let it keep the process from draining and exiting.
+            await asyncio.wait_for(self.health.enter_graceful_shutdown(), timeout=1.0)
+        except TimeoutError:
+            log.warning("health status not updated in time (a stalled health watcher); draining anyway")
         await self.server.stop(self.grace_s)
 
     def install_signal_handlers(self, on_shutdown: Callable[[], None] | None = None) -> asyncio.Event:

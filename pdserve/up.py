@@ -31,7 +31,7 @@ class Stack:
             say(f"no Redis at {redis_url}: started our own at {self.redis.url}")
             redis_url = self.redis.url
         common = ["--redis-url", redis_url, "--key-prefix", a.key_prefix or f"pdserve-up-{os.getpid()}"]
-        model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size)]
+        model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
         store = self._add(ServiceProcess("services.kvstore", *model, *common,
                                          "--device-bytes", str(a.store_device_mib << 20),
                                          "--dram-bytes", str(a.store_dram_mib << 20)))
@@ -126,6 +126,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--engine", default="real", choices=["real", "mock"], help="mock: cost-model timing, no compute")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV pages per worker")

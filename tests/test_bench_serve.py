@@ -75,7 +75,8 @@ def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
         s.wait_pool(2)
         out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--router", s.router.address,
                               "--workload", "shared-prefix", "--max-requests", "6", "--rates", "4,8",
-                              "--out", str(tmp_path), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              "--max-output", "16", "--out", str(tmp_path), "--json"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         doc = json.loads(out.stdout)
         summ = doc["summary"]

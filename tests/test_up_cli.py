@@ -71,4 +71,24 @@ def test_up_generate_status_and_clean_stop(tiny):
         assert not any(alive(k) for k in kids), "orphans left behind"
     finally:
         if up.poll() is None:
+            up.terminate()
+            up.wait(60)
+
+
+def test_no_service_outlives_a_killed_up():
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--key-prefix",
+                           f"pdtest-upkill-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert up.stdout.readline().startswith("router at ")
+        kids = children(up.pid)
+        assert len(kids) >= 4
+        up.kill()  # no chance to clean up: the children must still go (parent-death signal)
+        up.wait(10)
+        deadline = time.time() + 15
+        while any(alive(k) for k in kids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(k) for k in kids), "orphans left behind"
+    finally:
+        if up.poll() is None:
             up.kill()

@@ -15,7 +15,7 @@ from pathlib import Path
 from pdserve.bench.deploy import Deployment, DeploySpec
 from pdserve.bench.report import Target, emit, machine
 from pdserve.bench.serve_bench import add_workload_flags, build_workload, run_load
-from pdserve.bench.serve_stats import lru_hit_ratio, percentile, summarize
+from pdserve.bench.serve_stats import attainment, goodput, lru_hit_ratio, percentile, summarize
 from pdserve.bench.workloads import BenchRequest, with_poisson_arrivals
 
 
@@ -36,10 +36,17 @@ def block_hit_ratio(records, block_size: int) -> float:
 
 
 def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
+    """One deployment; the workload once (its own times or --rate), or once per --rates entry."""
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else []
+    sweep: dict[float, float] = {}
     dep = Deployment.start(spec)
     try:
-        records, wall = asyncio.run(run_load(dep.router.address, reqs, args.max_seconds, args.timeout_s,
-                                             not args.json))
+        for rate in rates or [args.rate]:
+            load = with_poisson_arrivals(reqs, rate) if rate else reqs
+            records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
+                                                 not args.json))
+            if rate and rates:
+                sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
     finally:
         dep.stop()
     summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
@@ -47,7 +54,7 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
     return {"mode": spec.mode, "policy": spec.policy, "engine": spec.engine, "prefill": spec.prefill,
             "decode": spec.decode, "summary": summary, "block_hit_ratio": block_hit_ratio(records, spec.block_size),
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
-            "prefill_spread": _spread(records)}
+            "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None}
 
 
 def _spread(records) -> dict[str, int]:
@@ -69,6 +76,10 @@ def markdown(doc: dict) -> str:
                      f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p99']:.1f} | "
                      f"{s['itl_ms']['p99']:.1f} | {r['block_hit_ratio']:.1%} | {r['route_ms']['p99']:.2f} | "
                      f"{s['slo']['attainment']:.0%} |")
+    for r in doc["runs"]:
+        if r["sweep"]:
+            pts = ", ".join(f"{rate:g}/s: {a:.0%}" for rate, a in sorted(r["sweep"].items()))
+            lines.append(f"\n{r['mode']} {r['policy']}: SLO attainment {pts}; goodput {r['goodput_rps']:g} req/s")
     if "pooled_bound" in doc:
         lines.append(f"\nPooled-cache bound (one LRU of {doc['pooled_capacity_blocks']} blocks, same order): "
                      f"{doc['pooled_bound']:.1%} of blocks")
@@ -76,8 +87,7 @@ def markdown(doc: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    base = build_workload(args)
-    reqs = with_poisson_arrivals(base, args.rate) if args.rate else base
+    reqs = build_workload(args)
     runs = []
     for mode in args.modes.split(","):
         for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
@@ -94,6 +104,10 @@ def run(args: argparse.Namespace) -> None:
     if ("disagg", "cache_aware") in by and doc["pooled_bound"] > 0:
         targets.append(Target(f"cache_aware_hit_vs_pooled_bound_{args.prefill}p",
                               by[("disagg", "cache_aware")]["block_hit_ratio"] / doc["pooled_bound"], "x", 0.9, ">="))
+    goodputs = {r["mode"]: r["goodput_rps"] for r in runs if r["goodput_rps"] is not None}
+    if goodputs.get("colocated") and "disagg" in goodputs:
+        targets.append(Target("goodput_disagg_vs_colocated", goodputs["disagg"] / goodputs["colocated"], "x", 1.5,
+                              ">="))
     route_p99 = [r["route_ms"]["p99"] for r in runs if r["mode"] == "disagg"]
     if route_p99:
         targets.append(Target("router_decision_p99", max(route_p99), "ms", 2.0, "<="))
@@ -114,6 +128,7 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default="disagg,colocated")
     p.add_argument("--policies", default="cache_aware,round_robin,least_loaded")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: the workload's times)")
+    p.add_argument("--rates", default="", help="comma-separated rates to sweep per configuration (goodput)")
     p.add_argument("--worker-cache-tokens", type=int, default=65536)
     p.add_argument("--store-cache-tokens", type=int, default=262144)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")

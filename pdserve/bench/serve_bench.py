@@ -29,7 +29,7 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     elif w == "interference":
         reqs = workloads.interference(long_prompt=args.long_prompt)
     elif w == "shared-prefix":
-        reqs = workloads.shared_prefix()
+        reqs = workloads.shared_prefix(system_tokens=args.prefix_tokens, max_tokens=args.max_output or 16)
     else:
         raise ValueError(f"unknown workload {w!r}")
     if args.max_requests:
@@ -192,6 +192,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=0.25, help="azure: multiply prompt lengths by this")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request (0: none)")
     p.add_argument("--long-prompt", type=int, default=2048, help="interference: long prompt tokens")
+    p.add_argument("--prefix-tokens", type=int, default=1024, help="shared-prefix: system prompt tokens")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--timeout-s", type=float, default=300.0)

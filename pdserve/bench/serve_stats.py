@@ -67,6 +67,8 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
         out[name] = {f"p{q}": percentile(vals, q) for q in (50, 90, 99)}
     itl = [x for r in ok for x in r.itl_ms]
     out["itl_ms"] = {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}
+    out["route_ms"] = {f"p{q}": percentile([r.route_ms for r in ok], q) for q in (50, 90, 99)}
+    out["error_samples"] = sorted({r.error for r in records if not r.ok})[:5]
     out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else 0.0
     out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
