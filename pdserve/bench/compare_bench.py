@@ -16,7 +16,7 @@ from pdserve.bench.deploy import Deployment, DeploySpec
 from pdserve.bench.report import Target, emit, machine
 from pdserve.bench.serve_bench import add_workload_flags, build_workload, run_load
 from pdserve.bench.serve_stats import attainment, goodput, lru_hit_ratio, percentile, summarize
-from pdserve.bench.workloads import BenchRequest, with_poisson_arrivals
+from pdserve.bench.workloads import TOKEN_RANGE, BenchRequest, with_poisson_arrivals
 
 
 def pooled_bound(reqs: list[BenchRequest], capacity_blocks: int, block_size: int) -> float:
@@ -27,6 +27,15 @@ def pooled_bound(reqs: list[BenchRequest], capacity_blocks: int, block_size: int
         # A full block is named by everything up to its end: the prefix itself stands for its hash.
         chains.append([tuple(ids[: (i + 1) * block_size]) for i in range(len(ids) // block_size)])
     return lru_hit_ratio(chains, capacity_blocks)
+
+
+def fresh(reqs: list[BenchRequest], k: int) -> list[BenchRequest]:
+    """The k-th pass of a sweep gets other tokens (same lengths, same sharing among its requests),
+    so an earlier pass never warms the caches for a later one."""
+    if k == 0:
+        return reqs
+    return [BenchRequest(r.arrival_s, [(t + 7 * k) % TOKEN_RANGE for t in r.prompt_ids], r.max_tokens, r.kind)
+            for r in reqs]
 
 
 def block_hit_ratio(records, block_size: int) -> float:
@@ -41,8 +50,8 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
     sweep: dict[float, float] = {}
     dep = Deployment.start(spec)
     try:
-        for rate in rates or [args.rate]:
-            load = with_poisson_arrivals(reqs, rate) if rate else reqs
+        for k, rate in enumerate(rates or [args.rate]):
+            load = with_poisson_arrivals(fresh(reqs, k), rate) if rate else reqs
             records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
                                                  not args.json))
             if rate and rates:
