@@ -17,23 +17,24 @@ class PrefixHits:
 
 
 # KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV: the chain.
-# Returns, per key, how many leading hashes of the chain it holds.
+# Returns, per key, how many leading hashes of the chain it holds. Caches hold chains prefix-closed
+# (a block is cached only after its parent; eviction takes tails first), so presence is monotone
+# along the chain and a binary search needs ~log2(n) look-ups per key instead of n.
 _LEADING_RUNS = """
 local out = {}
 local n = #ARGV
 for k = 1, #KEYS do
-  local c = 0
   local is_hash = (k == #KEYS)
-  for i = 1, n do
-    local hit
-    if is_hash then
-      hit = redis.call('HEXISTS', KEYS[k], ARGV[i])
-    else
-      hit = redis.call('SISMEMBER', KEYS[k], ARGV[i])
-    end
-    if hit == 1 then c = c + 1 else break end
+  local function has(i)
+    if is_hash then return redis.call('HEXISTS', KEYS[k], ARGV[i]) == 1 end
+    return redis.call('SISMEMBER', KEYS[k], ARGV[i]) == 1
   end
-  out[k] = c
+  local lo, hi = 0, n  -- invariant: the first lo are present; none beyond hi
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if has(mid) then lo = mid else hi = mid - 1 end
+  end
+  out[k] = lo
 end
 return out
 """
