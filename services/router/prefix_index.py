@@ -16,18 +16,21 @@ class PrefixHits:
     store_blocks: int  # leading blocks of the chain the store holds
 
 
-# KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV: the chain.
+# KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV[1]: the chain
+# as one string of 32-character hex hashes (one argument instead of n: much less to encode).
 # Returns, per key, how many leading hashes of the chain it holds. Caches hold chains prefix-closed
 # (a block is cached only after its parent; eviction takes tails first), so presence is monotone
 # along the chain and a binary search needs ~log2(n) look-ups per key instead of n.
 _LEADING_RUNS = """
 local out = {}
-local n = #ARGV
+local chain = ARGV[1]
+local n = #chain / 32
 for k = 1, #KEYS do
   local is_hash = (k == #KEYS)
   local function has(i)
-    if is_hash then return redis.call('HEXISTS', KEYS[k], ARGV[i]) == 1 end
-    return redis.call('SISMEMBER', KEYS[k], ARGV[i]) == 1
+    local h = string.sub(chain, (i - 1) * 32 + 1, i * 32)
+    if is_hash then return redis.call('HEXISTS', KEYS[k], h) == 1 end
+    return redis.call('SISMEMBER', KEYS[k], h) == 1
   end
   local lo, hi = 0, n  -- invariant: the first lo are present; none beyond hi
   while lo < hi do
@@ -51,7 +54,7 @@ class PrefixIndex:
         if not hashes:
             return PrefixHits({w: 0 for w in worker_ids}, 0)
         keys = [self.keys.worker_index(w) for w in worker_ids] + [self.keys.store_index()]
-        counts = await self._script(keys=keys, args=[h.hex() for h in hashes])
+        counts = await self._script(keys=keys, args=[b"".join(hashes).hex()])
         return PrefixHits(dict(zip(worker_ids, counts[:-1], strict=True)), counts[-1])
 
     async def record(self, scope: str, lookup_tokens: int, expected_hit_tokens: int, hit_tokens: int) -> None:
