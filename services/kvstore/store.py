@@ -12,75 +12,17 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, Lease, SlotRef, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.memory import TierMemory, copy_slot
 
-DEVICE, DRAM = "device", "dram"
-
-
-class SlotState(enum.Enum):
-    WRITE = "write"
-    PRESENT = "present"
-    PENDING = "pending"
-
-
-@dataclass
-class Entry:
-    key: bytes
-    tier: str
-    slot: int
-    committed: bool = False
-    pins: int = 0
-    is_tail: bool = False
-    tail_held: bool = False  # a committed tail is pinned by its TTL until tail_expires
-    tail_expires: float = 0.0
-    promote_on_release: bool = False
-
-
-@dataclass(frozen=True)
-class SlotRef:
-    key: bytes
-    address: int
-    tier: str
-    state: SlotState
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    kind: str  # "read" | "write"
-    deadline: float
-    request_id: str
-    pinned: list[bytes] = field(default_factory=list)  # read: keys pinned; write: keys still uncommitted
-    all_keys: set[bytes] = field(default_factory=set)  # write: every key the put named
-    watching: bool = False  # a live Watch stream keeps it from lapsing
-
-
-@dataclass
-class Watcher:
-    lease: Lease
-    wanted: dict[bytes, int]  # key -> index in the request
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-
-@dataclass
-class Counters:
-    hits: int = 0
-    misses: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    tier_hits: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, DRAM: 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, DRAM: 0})
-    promotions: int = 0
+__all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "SlotState"]
 
 
 class BlockStore:
