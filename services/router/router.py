@@ -23,6 +23,7 @@ from services.router.config import RouterConfig
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
 from services.router.prefix_index import PrefixHits, PrefixIndex
+from services.router.recent import RecentRoutes
 from services.router.workers import WorkerPool, WorkerView
 
 log = logs.get("router")
@@ -78,6 +79,7 @@ class Router:
         self.pool = pool
         self.policy = Policy(cfg.policy)
         self.coef = Coefficients()
+        self.recent = RecentRoutes(ttl_s=3.0)
         self.metrics = metrics
 
     # -- validation (never touches a worker) -----------------------------------------------
@@ -122,6 +124,11 @@ class Router:
                 f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy); retry in a few seconds")
         decode = self.pool.workers[dchoice.worker_id]
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
+        if self.policy.name == "cache_aware" and self.pool.redis_ok:
+            for w in prefills:
+                recent = self.recent.leading(w.worker_id, hashes)
+                if recent > hits.worker_blocks.get(w.worker_id, 0):
+                    hits.worker_blocks[w.worker_id] = recent
         if prefills:
             # Queue: the heartbeat's figure is up to a beat old; what this router sent since is certain.
             pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
@@ -134,6 +141,7 @@ class Router:
             raise ResourceExhausted(
                 f"estimated TTFT {choice.estimated_ttft_ms:.0f} ms exceeds the SLO {self.cfg.ttft_slo_ms:.0f} ms; "
                 f"retry in about {choice.estimated_ttft_ms - self.cfg.ttft_slo_ms:.0f} ms")
+        self.recent.add(choice.worker_id, hashes)
         return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
                      choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3)
 

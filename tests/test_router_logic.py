@@ -1,0 +1,50 @@
+"""Router logic above the I/O: policies, TTFT estimate, this router's recent-route memory.
+(Pure functions and a fake clock; the end-to-end router tests use real processes.)"""
+
+from __future__ import annotations
+
+from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, estimate_ttft_ms
+from services.router.recent import RecentRoutes
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recent_routes_leading_run_expiry_and_bound():
+    clock = FakeClock()
+    r = RecentRoutes(ttl_s=3.0, max_per_worker=4, clock=clock)
+    r.add("p0", [b"a", b"b", b"c"])
+    assert r.leading("p0", [b"a", b"b", b"x", b"c"]) == 2 and r.leading("p1", [b"a"]) == 0
+    clock.now += 2.0
+    r.add("p0", [b"a", b"d"])  # refreshes a; b, c keep their old time
+    clock.now += 1.5
+    assert r.leading("p0", [b"a", b"b"]) == 1  # b expired, a fresh
+    r.add("p0", [b"e", b"f", b"g"])  # bound 4: the oldest go first
+    assert r.leading("p0", [b"e", b"f", b"g"]) == 3 and r.leading("p0", [b"b"]) == 0
+
+
+def test_ttft_estimate_and_choices():
+    coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01)
+    idle_cached = PrefillCandidate("p0", queued_tokens=0, local_hit_tokens=800, inflight=0)
+    busy_cold = PrefillCandidate("p1", queued_tokens=2000, local_hit_tokens=0, inflight=3)
+    est, local, fetched = estimate_ttft_ms(idle_cached, 1000, store_hit_tokens=960, coef=coef)
+    assert (round(est, 6), local, fetched) == (round(40 * 0.1 + 160 * 0.01, 6), 800, 160)
+    est1, _, fetched1 = estimate_ttft_ms(busy_cold, 1000, store_hit_tokens=960, coef=coef)
+    assert fetched1 == 960 and round(est1, 6) == round(200 + 40 * 0.1 + 960 * 0.01, 6)
+    assert Policy("cache_aware").choose_prefill([busy_cold, idle_cached], 1000, 960, coef).worker_id == "p0"
+    assert Policy("least_loaded").choose_prefill([busy_cold, idle_cached], 1000, 960, coef).worker_id == "p0"
+    rr = Policy("round_robin")
+    assert [rr.choose_prefill([busy_cold, idle_cached], 10, 0, coef).worker_id for _ in range(3)] == ["p1", "p0",
+                                                                                                     "p1"]
+    # A full prompt hit still computes one token: the estimate never reaches zero compute.
+    assert estimate_ttft_ms(idle_cached, 800, 0, coef)[1] == 799
+    d = Policy.choose_decode([DecodeCandidate("d0", 10, 0), DecodeCandidate("d1", 50, 9),
+                              DecodeCandidate("d2", 50, 2)], blocks_needed=20)
+    assert d.worker_id == "d2" and Policy.choose_decode([DecodeCandidate("d0", 10, 0)], 20) is None
+    coef.observe(computed_tokens=100, prefill_ms=50, store_tokens=0, load_ms=0)
+    assert round(coef.prefill_ms_per_token, 6) == round(0.1 + 0.2 * (0.5 - 0.1), 6)
