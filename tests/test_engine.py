@@ -289,3 +289,21 @@ def test_mock_engine_is_deterministic_chunk_independent_and_handoff_exact(tiny):
     # The cost model's step time: 2 prefill chunks and 1 decode.
     assert CostModel(1, 0.1, 0.0, 0.5, 0.01).step_time_ms(
         __import__("pdserve.engine.scheduler", fromlist=["SchedulerOutput"]).SchedulerOutput(())) == 1
+
+
+def test_prefill_full_local_hit_copies_the_last_block_and_computes_one_token(tiny, reference):
+    n = 3 * B
+    p = prompt(n)
+    pe = LLMEngine(tiny, EngineConfig(num_blocks=64, role=Role.PREFILL))
+    pe.add_request("a", p, GREEDY)
+    run_all(pe)
+    first_pages = pe.scheduler.seqs["a"].block_table[:3]
+    pe.release("a")
+    r = pe.reserve("b", p, GREEDY)
+    assert (r.num_cached_blocks, r.num_local_blocks) == (2, 3)
+    assert r.block_table[:2] == first_pages[:2] and r.block_table[2] != first_pages[2]  # own copy of the last
+    assert pe.kv_cache.tensor[r.block_table[2]].equal(pe.kv_cache.tensor[first_pages[2]])
+    pe.start_compute("b", 3)
+    seq = pe.scheduler.seqs["b"]
+    assert seq.num_computed_tokens == n - 1  # only the last token is computed
+    assert run_all(pe)["b"] == [reference.get(n, alone(tiny, p))[0]]

@@ -42,6 +42,7 @@ class Reservation:
     num_cached_blocks: int  # leading prompt blocks already here (reused from the prefix cache)
     cached_hashes: list[BlockHash]
     prompt_hashes: list[BlockHash]  # every full prompt block
+    num_local_blocks: int = 0  # leading prompt blocks already in our pages (shared or copied here)
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,20 @@ class LLMEngine:
         `activate`. Raises ValueError for bad input, OutOfPagesError when pages are short now.
         """
         seq = self._new_sequence(request_id, prompt_ids, params)
-        num_cached = self.scheduler.reserve(seq, needs_logits=self.config.role == Role.PREFILL)
-        return Reservation(request_id, list(seq.block_table), num_cached, list(seq.block_hashes),
-                           block_hashes(seq.prompt_ids, self.profile))
+        prefill = self.config.role == Role.PREFILL
+        num_cached = self.scheduler.reserve(seq, needs_logits=prefill)
+        hashes = block_hashes(seq.prompt_ids, self.profile)
+        num_local = num_cached
+        if prefill and num_cached == len(hashes) - 1 and seq.num_prompt_tokens % self.block_size == 0:
+            # Every prompt block is cached here but the last one was not shared (its last token is
+            # recomputed, which writes into the page): copy it into our own page instead of
+            # recomputing the whole block. Looked up again after allocation, which may evict.
+            cached = self.scheduler.pool.match_prefix(hashes)
+            if len(cached) == len(hashes):
+                last = torch.tensor([cached[-1]])
+                self.kv_cache.tensor[torch.tensor([seq.block_table[num_cached]])] = self.kv_cache.tensor[last]
+                num_local += 1
+        return Reservation(request_id, list(seq.block_table), num_cached, list(seq.block_hashes), hashes, num_local)
 
     def start_compute(self, request_id: str, num_loaded_blocks: int) -> None:
         seq = self._reserved(request_id)

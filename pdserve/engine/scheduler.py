@@ -93,9 +93,13 @@ class Scheduler:
         return len(hits)
 
     def mark_loaded(self, seq: Sequence, num_blocks: int) -> None:
-        """Blocks [cached, num_blocks) of the prompt were written into the pages from outside."""
+        """Blocks [cached, num_blocks) of the prompt were written into the pages from outside.
+
+        The last prompt token is always computed (its logits give the next token), so at most
+        len - 1 tokens count as loaded; recomputing it rewrites its slot in our private page.
+        """
         seq.num_computed_tokens = max(seq.num_computed_tokens, min(num_blocks * seq.block_size,
-                                                                   seq.num_prompt_tokens))
+                                                                   seq.num_prompt_tokens - 1))
         self._cache_full_blocks(seq)
 
     def start_compute(self, seq: Sequence) -> None:

@@ -84,9 +84,8 @@ class Prefiller:
             except OutOfPagesError as e:
                 raise ResourceExhausted(f"prefill worker full: {e}; retry later") from e
             n_full = len(req.prompt_ids) // bs
-            n_local = res.num_cached_blocks
-            n_store = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local,
-                                                  (len(req.prompt_ids) - 1) // bs)
+            n_local = res.num_local_blocks
+            n_store = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local, n_full)
             await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
             t_loaded = time.perf_counter()
             tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
@@ -100,15 +99,15 @@ class Prefiller:
                     full = min(item.num_computed_tokens // bs, n_full)
                     if full > shipped:
                         write_s += await self._ship(alloc, res.prompt_hashes, pages, shipped, full)
-                        checksums += await self._checksums(pages[shipped:full])
+                        checksums += await self._checksums(alloc, pages, shipped, full)
                         shipped = full
                 elif isinstance(item, TokenEvent):
                     first = item
                     break
             t_first = time.perf_counter()
             exposed_s = await self._ship(alloc, res.prompt_hashes, pages, shipped, len(pages), tail=bool(tail_key))
+            checksums += await self._checksums(alloc, pages, shipped, len(pages))
             alloc = None  # fully committed: the lease is closed
-            checksums += await self._checksums(pages[shipped:])
             await w.engine.call(lambda e: e.release(rid))
         except BaseException:
             # Abort even when `reserve` was still in flight as we were cancelled: the engine runs
@@ -122,18 +121,26 @@ class Prefiller:
                 renewal.cancel()
             w.engine.close_stream(rid)
         done = time.perf_counter()
-        cached = (n_local + n_store) * bs
+        # The last prompt token is always computed; everything before it that was loaded is a hit.
+        cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
+        local = min(n_local * bs, cached)
         return PrefillOutput(
             rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, checksums,
-            cached_local=n_local * bs, cached_store=n_store * bs, computed=len(req.prompt_ids) - cached,
+            cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
             timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
                         "tail_ms": (done - t_first) * 1e3,
                         "total_ms": (done - t0) * 1e3})
 
-    async def _checksums(self, pages: list[int]) -> list[int]:
+    async def _checksums(self, alloc: Allocation, pages: list[int], start: int, end: int) -> list[int]:
+        """Checksums of the blocks [start, end) this request wrote to the store; 0 (unchecked) for
+        blocks the store already had: its copy may come from another computation of the same
+        tokens, equal in value but not in every bit."""
+        mine = [i for i in range(start, end) if alloc.slots[i].state == kvstore_pb2.SLOT_STATE_WRITE]
         # Off the engine thread, while it computes the next chunk: full blocks are never rewritten.
-        return await asyncio.to_thread(block_checksums, self.w.engine.engine.kv_cache, pages)
+        sums = await asyncio.to_thread(block_checksums, self.w.engine.engine.kv_cache, [pages[i] for i in mine])
+        by_block = dict(zip(mine, sums, strict=True))
+        return [by_block.get(i, 0) for i in range(start, end)]
 
     async def _load_from_store(self, rid: str, hashes: list[bytes], table: list[int], n_local: int,
                                loadable: int) -> int:
