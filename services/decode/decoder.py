@@ -150,6 +150,18 @@ class Decoder:
             self.inflight.pop(rid, None)
             if live:
                 await asyncio.shield(self.w.engine.call(lambda e: e.abort(rid)))
+                if not req.colocated and len(req.prompt_ids) % self.w.cfg.block_size:
+                    await asyncio.shield(self._drop_tail(req.tail_key or rid))
+
+    async def _drop_tail(self, tail_key: str) -> None:
+        """A request that ends before its tail was pulled: consume the tail (read-once) so it does
+        not sit pinned in the store until its TTL. Best effort: the TTL still bounds it."""
+        try:
+            pinned = await self.w.store.pin([], tail_key)
+            if pinned.lease_id:
+                await self.w.store.release(pinned.lease_id)
+        except Exception:  # noqa: BLE001 - cleanup must not mask the request's own outcome
+            pass
 
     async def _pull_and_first(self, req: DecodeInput, res, entry: InFlight) -> FirstToken:
         """Pull every prompt block not cached here, and get the first token; watchdog on silence."""

@@ -34,7 +34,8 @@ class Stack:
 
     def worker(self, role: str, *flags: str) -> ServiceProcess:
         return ServiceProcess(f"services.{role}", "--model", "tiny", "--store", self.store.address,
-                              "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", *self.common(), *flags,
+                              "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", "--tail-ttl-ms", "3000",
+                              *self.common(), *flags,
                               env=self.env)
 
     def start(self, num_prefill: int = 1, num_decode: int = 1, prefill_flags=(), decode_flags=()) -> Stack:
