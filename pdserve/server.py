@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +26,13 @@ from pdserve.errors import status_for
 log = logs.get("pdserve.server")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+EXIT_DEADLINE_S = 5.0  # after the grace period, how long teardown may take before a hard exit
+
+
+def _exit_after(seconds: float, drained: asyncio.Event) -> None:
+    time.sleep(seconds)
+    log.warning("teardown overran its deadline: exiting now", drained=drained.is_set())
+    os._exit(0 if drained.is_set() else 1)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -124,6 +134,9 @@ class ServerHandle:
                 done.set()
 
             loop.create_task(run())
+            # However teardown goes (a stuck native thread, a starved machine), the process exits:
+            # 0 when the drain itself finished, 1 when even that did not.
+            threading.Thread(target=_exit_after, args=(self.grace_s + EXIT_DEADLINE_S, done), daemon=True).start()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, handle, sig.name)
