@@ -266,6 +266,17 @@ def test_decode_admission_refuses_at_once_when_pages_are_short(shared_redis_url,
         s.stop()
 
 
+async def start_by_hand(p, d, rid: str, ids: list[int]):
+    """Decode admitted (its stream open), prefill running: the router's part, done by the test so
+    it can kill one side in the middle."""
+    call = d.Generate(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling(),
+                                               mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=30)
+    assert (await call.read()).HasField("admitted")
+    pre = asyncio.ensure_future(p.Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ids, sampling=sampling()), timeout=60))
+    return call, pre
+
+
 def test_prefill_killed_decode_reports_unavailable_and_frees(shared_redis_url, key_prefix):
     s = Stack(shared_redis_url, key_prefix).start(1, 1)
     try:
@@ -273,14 +284,7 @@ def test_prefill_killed_decode_reports_unavailable_and_frees(shared_redis_url, k
             pch, p = stubs(s.prefills[0].address, "prefill")
             dch, d = stubs(s.decodes[0].address, "decode")
             async with pch, dch:
-                ids = prompt(6000, salt=77)
-                call = d.Generate(decode_pb2.DecodeRequest(
-                    request_id="k1", prompt_token_ids=ids, sampling=sampling(),
-                    mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=30)
-                admitted = await call.read()
-                assert admitted.HasField("admitted")
-                pre = asyncio.ensure_future(p.Prefill(prefill_pb2.PrefillRequest(
-                    request_id="k1", prompt_token_ids=ids, sampling=sampling()), timeout=30))
+                call, pre = await start_by_hand(p, d, "k1", prompt(6000, salt=77))
                 await asyncio.sleep(0.5)
                 s.prefills[0].proc.kill()
                 t0 = time.perf_counter()
@@ -308,13 +312,7 @@ def test_decode_killed_store_leases_lapse_prefill_unaffected(shared_redis_url, k
             pch, p = stubs(s.prefills[0].address, "prefill")
             dch, d = stubs(s.decodes[0].address, "decode")
             async with pch, dch:
-                ids = prompt(3000, salt=78)
-                call = d.Generate(decode_pb2.DecodeRequest(
-                    request_id="k2", prompt_token_ids=ids, sampling=sampling(),
-                    mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=30)
-                await call.read()
-                pre = asyncio.ensure_future(p.Prefill(prefill_pb2.PrefillRequest(
-                    request_id="k2", prompt_token_ids=ids, sampling=sampling()), timeout=60))
+                call, pre = await start_by_hand(p, d, "k2", prompt(3000, salt=78))
                 await asyncio.sleep(0.3)
                 s.decodes[0].proc.kill()
                 resp = await pre
