@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from pdserve.engine.config import Role
@@ -31,7 +32,10 @@ def serve_worker(role: Role, make_servicer: Callable[[Worker], object], add_to_s
         await handle.set_serving()
         write_port_file(cfg.port_file, handle.port)
         await stopped.wait()
-        await registration.stop()
+        try:
+            await asyncio.wait_for(registration.stop(), timeout=2.0)  # deregister; Redis may be gone
+        except TimeoutError:
+            pass
         worker.engine.stop()
 
     run(role.value, main)

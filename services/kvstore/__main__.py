@@ -74,7 +74,10 @@ async def main() -> None:
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
     reaper.cancel()
-    await index.stop()
+    try:
+        await asyncio.wait_for(index.stop(), timeout=2.0)  # a last flush; Redis may be gone
+    except TimeoutError:
+        log.warning("redis index did not close in time")
 
 
 async def _reap(store: BlockStore) -> None:

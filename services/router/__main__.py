@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
 from pdserve import logs
@@ -53,8 +55,11 @@ async def main() -> None:
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
-    await pool.stop()
-    await redis.aclose()
+    try:
+        await asyncio.wait_for(pool.stop(), timeout=2.0)
+        await asyncio.wait_for(redis.aclose(), timeout=2.0)
+    except TimeoutError:
+        log.warning("teardown of the worker pool or Redis did not finish in time")
 
 
 if __name__ == "__main__":
