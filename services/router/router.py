@@ -17,8 +17,8 @@ from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
 from pdserve.serving.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
-from pdserve.v1 import common_pb2, decode_pb2
-from pdserve.wire import finish_from_pb, profile_to_pb, sampling_to_pb
+from pdserve.v1 import decode_pb2
+from pdserve.wire import profile_to_pb, sampling_to_pb
 from services.router.config import RouterConfig
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
@@ -269,10 +269,3 @@ class Router:
         except (aioredis.RedisError, OSError):
             self.pool.redis_ok = False
 
-
-def finish_name(value: int) -> str:
-    reason = finish_from_pb(value)
-    return reason.value if reason else ""
-
-
-__all__ = ["Router", "Route", "Summary", "TokenOut", "common_pb2", "finish_name"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -147,5 +146,3 @@ class WorkerPool:
         """A call to the worker failed as unreachable: stop sending it work until health says otherwise."""
         view.healthy = False
 
-    def snapshot_time(self) -> float:
-        return time.time()
