@@ -221,6 +221,28 @@ def test_too_big_for_the_cache_and_duplicate_ids(tiny):
         engine.add_request("a", prompt(5), GREEDY)
 
 
+def test_decode_groups_bound_padding_and_mask_exactly(tiny):
+    """Decoding sequences are grouped longest first; a group pads to its longest member only
+    while padded pages stay within MAX_PADDING of real pages; padded slots are masked."""
+    runner = LLMEngine(tiny, EngineConfig(num_blocks=64)).runner
+    bs = runner.block_size
+    # (row, pages, context_len): 10, 9, 8 pages share a group (30 <= 1.25 * 27); the 2-page one
+    # would make it 40 > 1.25 * 29, so it opens the next group with 2 and 1 (6 <= 1.25 * 5).
+    decoding = [(0, list(range(0, 8)), 8 * bs - 3), (1, list(range(8, 10)), 2 * bs),
+                (2, list(range(10, 20)), 9 * bs + 1), (3, [20], 5),
+                (4, list(range(21, 30)), 9 * bs), (5, list(range(30, 32)), bs + 2)]
+    long, short = runner._decode_groups(decoding)
+    assert long.rows.tolist() == [2, 4, 0] and short.rows.tolist() == [1, 5, 3]
+    assert long.kv_rows.numel() == 2 * 3 * 2 * 10 and short.kv_rows.numel() == 2 * 3 * 2 * 2
+    assert long.valid.shape == (3, 1, 1, 10 * bs) and short.valid.shape == (3, 1, 1, 2 * bs)
+    assert long.valid.view(3, -1).sum(1).tolist() == [9 * bs + 1, 9 * bs, 8 * bs - 3]
+    assert short.valid.view(3, -1).sum(1).tolist() == [2 * bs, bs + 2, 5]
+    # Row 3 (one page, 20) is padded with its own first page: K rows of page 20, layer 0.
+    rows = short.kv_rows.view(2, 3, 2, 2)[0, 2, 0].tolist()
+    stride = tiny.config.num_layers * 2 * tiny.config.num_kv_heads
+    assert rows == [20 * stride, 20 * stride]
+
+
 def test_sampling_seeded_is_reproducible_and_batch_independent(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=600))
     sp = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)

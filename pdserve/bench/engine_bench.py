@@ -122,7 +122,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both (0: torch's default)")
-    p.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[512, 2048, 4096])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, Role
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.malloc import keep_freed_memory
 from pdserve.engine.mock_runner import MockRunner, mock_fingerprint
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
@@ -62,6 +63,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.model = loaded
+        keep_freed_memory()
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         layout = KVLayout.for_model(loaded.config, self.config.block_size, loaded.dtype)

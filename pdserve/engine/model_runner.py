@@ -7,7 +7,11 @@ import torch
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model.llama import AttentionMetadata, DecodeBatch, SeqAttention, Transformer
+from pdserve.model.llama import AttentionMetadata, DecodeGroup, SeqAttention, Transformer, page_rows
+
+# Decoding sequences are attended in groups, each padded to its longest member; a group takes
+# another sequence only while its padded pages stay within this factor of its real pages.
+MAX_PADDING = 1.25
 
 
 class ModelRunner:
@@ -17,6 +21,10 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
+        self._layers = kv_cache.layout.num_layers
+        self._kv_heads = kv_cache.layout.num_kv_heads
+        self._row_numel = kv_cache.layout.block_size * kv_cache.layout.head_dim
+        self._workspace = torch.empty(0, dtype=kv_cache.tensor.dtype)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> dict[str, tuple[int, float]]:
@@ -26,10 +34,7 @@ class ModelRunner:
         positions: list[int] = []
         slot_blocks: list[int] = []
         seqs: list[SeqAttention] = []
-        decode_rows: list[int] = []
-        decode_pages: list[int] = []
-        decode_page_seq: list[int] = []
-        decode_last_fill: list[int] = []  # slots used in each sequence's last page
+        decoding: list[tuple[int, list[int], int]] = []  # (row, pages, context_len)
         logits_rows: list[int] = []
         sampled = []
         for chunk in output.chunks:
@@ -42,22 +47,21 @@ class ModelRunner:
             context_len = start + n
             num_pages = -(-context_len // bs)
             if n == 1:
-                decode_page_seq += [len(decode_rows)] * num_pages
-                decode_rows.append(q_start)
-                decode_pages += seq.block_table[:num_pages]
-                decode_last_fill.append(context_len - (num_pages - 1) * bs)
+                decoding.append((q_start, seq.block_table[:num_pages], context_len))
             else:
-                pages = torch.tensor(seq.block_table[:num_pages], dtype=torch.long)
-                seqs.append(SeqAttention(q_start, n, context_len, pages))
+                pages = torch.tensor([seq.block_table[:num_pages]], dtype=torch.long)
+                seqs.append(SeqAttention(q_start, n, context_len, self._rows(pages)))
             if chunk.sample:
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
         pos_t = torch.tensor(positions, dtype=torch.long)
+        groups = self._decode_groups(decoding)
         meta = AttentionMetadata(
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long),
             slot_offsets=pos_t % bs,
             seqs=tuple(seqs),
-            decode=self._decode_batch(decode_rows, decode_pages, decode_page_seq, decode_last_fill),
+            decode=groups,
+            workspace=self._workspace_for(max((a.kv_rows.numel() for a in (*seqs, *groups)), default=0)),
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long),
@@ -71,16 +75,37 @@ class ModelRunner:
         tokens, logprobs = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         return {s.request_id: (t, lp) for s, t, lp in zip(sampled, tokens, logprobs, strict=False)}
 
-    def _decode_batch(self, rows: list[int], pages: list[int], page_seq: list[int],
-                      last_fill: list[int]) -> DecodeBatch | None:
-        if not rows:
-            return None
-        page_seq_t = torch.tensor(page_seq, dtype=torch.long)
-        # A page is full unless it is its sequence's last page (the next page has another owner).
-        is_last = torch.ones(len(pages), dtype=torch.bool)
-        is_last[:-1] = page_seq_t[1:] != page_seq_t[:-1]
-        fill = torch.full((len(pages),), self.block_size, dtype=torch.long)
-        fill[is_last] = torch.tensor(last_fill, dtype=torch.long)
-        slot_valid = torch.arange(self.block_size).unsqueeze(0) < fill.unsqueeze(1)
-        return DecodeBatch(torch.tensor(rows, dtype=torch.long), torch.tensor(pages, dtype=torch.long),
-                           page_seq_t, slot_valid)
+    def _workspace_for(self, rows: int) -> torch.Tensor:
+        """One scratch buffer for gathered pages, kept across steps (it only grows)."""
+        if self._workspace.numel() < rows * self._row_numel:
+            self._workspace = torch.empty(rows * self._row_numel, dtype=self._workspace.dtype)
+        return self._workspace
+
+    def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return page_rows(block_ids, self._layers, self._kv_heads)
+
+    def _decode_groups(self, decoding: list[tuple[int, list[int], int]]) -> tuple[DecodeGroup, ...]:
+        """Longest first; a group closes when padding its members to its first (longest) would
+        exceed MAX_PADDING times their real pages. Equal lengths make one group, no padding."""
+        groups: list[DecodeGroup] = []
+        members: list[tuple[int, list[int], int]] = []
+        real = 0
+        for d in sorted(decoding, key=lambda d: -len(d[1])):
+            if members and len(members[0][1]) * (len(members) + 1) > MAX_PADDING * (real + len(d[1])):
+                groups.append(self._decode_group(members))
+                members, real = [], 0
+            members.append(d)
+            real += len(d[1])
+        if members:
+            groups.append(self._decode_group(members))
+        return tuple(groups)
+
+    def _decode_group(self, members: list[tuple[int, list[int], int]]) -> DecodeGroup:
+        num_pages = len(members[0][1])
+        # Padding pages repeat the sequence's first page; their slots are masked out.
+        pages = [p + [p[0]] * (num_pages - len(p)) for _, p, _ in members]
+        context = torch.tensor([c for _, _, c in members], dtype=torch.long)
+        valid = torch.arange(num_pages * self.block_size).unsqueeze(0) < context.unsqueeze(1)
+        return DecodeGroup(torch.tensor([r for r, _, _ in members], dtype=torch.long),
+                           self._rows(torch.tensor(pages, dtype=torch.long)),
+                           valid.view(len(members), 1, 1, -1))

@@ -18,6 +18,17 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.rope import RotaryEmbedding
 
 
+def page_rows(block_ids: torch.Tensor, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """Rows of the cache viewed as [rows, block_size * head_dim] that hold layer 0's K and V of
+    the pages `block_ids` [n, pages], in [2, n, kv_heads, pages] order (flattened). Layer l's rows
+    are these plus l * 2 * kv_heads. Gathered in this order, K and V come out as
+    [n, kv_heads, pages * block_size, head_dim] with no further copy."""
+    base = (block_ids * (num_layers * 2 * num_kv_heads)).unsqueeze(1)  # [n, 1, pages]
+    kv = torch.arange(2).view(2, 1, 1, 1) * num_kv_heads
+    head = torch.arange(num_kv_heads).view(1, 1, num_kv_heads, 1)
+    return (base.unsqueeze(0) + kv + head).reshape(-1)
+
+
 @dataclass(frozen=True)
 class SeqAttention:
     """Where one sequence's new tokens sit in the flat batch, and its cache pages."""
@@ -25,17 +36,17 @@ class SeqAttention:
     q_start: int  # first row of this sequence in the flat token dimension
     q_len: int  # new tokens this step
     context_len: int  # tokens in cache after this step (cached + new)
-    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+    kv_rows: torch.Tensor  # page_rows() of its ceil(context_len / block_size) pages
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """Sequences with exactly one new token, attended together page by page (no padding)."""
+class DecodeGroup:
+    """Sequences with exactly one new token, attended in one call. Each is padded to the group's
+    page count with masked slots; the runner groups sequences so that padding stays bounded."""
 
-    rows: torch.Tensor  # [B] their rows in the flat token dimension
-    page_ids: torch.Tensor  # [P] every page of every such sequence, sequence after sequence
-    page_seq: torch.Tensor  # [P] index (0..B-1) of the sequence owning each page
-    slot_valid: torch.Tensor  # [P, block_size] bool: the slot holds a token of the context
+    rows: torch.Tensor  # [n] their rows in the flat token dimension
+    kv_rows: torch.Tensor  # page_rows() of their pages, [n, num_pages]
+    valid: torch.Tensor  # [n, 1, 1, num_pages * block_size] bool: the slot holds a context token
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,9 @@ class AttentionMetadata:
     slot_block_ids: torch.Tensor  # [T] page receiving each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that page
     seqs: tuple[SeqAttention, ...]  # sequences attended one by one (prompt chunks)
-    decode: DecodeBatch | None = None
+    decode: tuple[DecodeGroup, ...] = ()
+    # Scratch for gathered pages, reused by every layer (None: allocate per gather).
+    workspace: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -51,7 +64,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -69,28 +82,29 @@ class Transformer(nn.Module):
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed(input_ids)  # [T, hidden]
-        for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache[:, layer_idx], self.rope)
+        for layer in self.layers:
+            x = layer(x, positions, meta, kv_cache, self.rope)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, meta, layer_cache, rope) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, meta, layer_cache, rope)
+    def forward(self, x, positions, meta, kv_cache, rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, meta, kv_cache, rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -100,9 +114,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.wo = nn.Linear(q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim ** -0.5
+        self.row_offset = layer_idx * 2 * config.num_kv_heads  # see page_rows()
 
-    def forward(self, x, positions, meta: AttentionMetadata, layer_cache, rope) -> torch.Tensor:
-        # layer_cache: [num_blocks, 2, kv_heads, block_size, head_dim] (a view into the cache)
+    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, rope) -> torch.Tensor:
+        # kv_cache: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]
         num_tokens = x.shape[0]
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -110,27 +125,38 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, positions)
         # Write the new tokens' K/V into their pages: [T, kv_heads, head_dim] each.
+        layer_cache = kv_cache[:, self.layer_idx]
         layer_cache[meta.slot_block_ids, 0, :, meta.slot_offsets] = k
         layer_cache[meta.slot_block_ids, 1, :, meta.slot_offsets] = v
+        cache_rows = kv_cache.view(-1, kv_cache.shape[-2] * self.head_dim)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=x.dtype)
-        if meta.decode is not None:
-            out[meta.decode.rows] = self._attend_decode(q[meta.decode.rows], meta.decode, layer_cache)
+        for g in meta.decode:
+            out[g.rows] = self._attend_decode(q[g.rows], g, cache_rows, meta.workspace)
         for s in meta.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            out[rows] = self._attend(q[rows], k[rows], v[rows], s, layer_cache)
+            out[rows] = self._attend(q[rows], k[rows], v[rows], s, cache_rows, meta.workspace)
         return self.wo(out.view(num_tokens, self.num_heads * self.head_dim))
 
-    def _attend(self, q, k_new, v_new, s: SeqAttention, layer_cache: torch.Tensor) -> torch.Tensor:
+    def _gather(self, cache_rows: torch.Tensor, kv_rows: torch.Tensor, n: int, workspace: torch.Tensor | None):
+        # One copy: K and V of n sequences' pages as [n, kv_heads, pages * block_size, head_dim].
+        rows = kv_rows + self.row_offset
+        if workspace is None:
+            kv = torch.index_select(cache_rows, 0, rows)
+        else:
+            kv = workspace[: rows.numel() * cache_rows.shape[1]].view(-1, cache_rows.shape[1])
+            torch.index_select(cache_rows, 0, rows, out=kv)
+        kv = kv.view(2, n, self.num_kv_heads, -1, self.head_dim)
+        return kv[0], kv[1]
+
+    def _attend(self, q, k_new, v_new, s: SeqAttention, cache_rows: torch.Tensor, workspace) -> torch.Tensor:
         # q: [q_len, heads, head_dim] -> [q_len, heads, head_dim]
         if s.q_len == s.context_len:
             # Nothing cached before this chunk: attend to the fresh K/V, no page gather.
             k = k_new.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
             v = v_new.transpose(0, 1).unsqueeze(0)
         else:
-            pages = torch.index_select(layer_cache, 0, s.block_ids)  # [pages, 2, kv_heads, block_size, head_dim]
-            kv = pages.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
-            k = kv[0, :, : s.context_len].unsqueeze(0)
-            v = kv[1, :, : s.context_len].unsqueeze(0)
+            k, v = self._gather(cache_rows, s.kv_rows, 1, workspace)
+            k, v = k[:, :, : s.context_len], v[:, :, : s.context_len]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         mask = None
         is_causal = False
@@ -146,24 +172,13 @@ class Attention(nn.Module):
         )
         return o[0].transpose(0, 1)
 
-    def _attend_decode(self, q: torch.Tensor, d: DecodeBatch, layer_cache: torch.Tensor) -> torch.Tensor:
-        # q: [B, heads, head_dim] -> [B, heads, head_dim]. A softmax over each sequence's pages,
-        # computed page-wise and combined with segment max/sum, so no sequence is padded.
-        num_seqs, group = q.shape[0], self.num_heads // self.num_kv_heads
-        # Gather K and V pages separately so each is contiguous [P, kv_heads, block_size, head_dim].
-        k = torch.index_select(layer_cache[:, 0], 0, d.page_ids).float()
-        v = torch.index_select(layer_cache[:, 1], 0, d.page_ids).float()
-        qg = q.float().view(num_seqs, self.num_kv_heads, group, self.head_dim)[d.page_seq]  # [P, kvh, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # [P, kvh, G, block_size]
-        scores.masked_fill_(~d.slot_valid[:, None, None, :], float("-inf"))
-        page_max = scores.amax(-1)  # [P, kvh, G]
-        seq_max = torch.full((num_seqs, self.num_kv_heads, group), float("-inf")).scatter_reduce(
-            0, d.page_seq[:, None, None].expand_as(page_max), page_max, "amax")
-        e = torch.exp(scores - seq_max[d.page_seq].unsqueeze(-1))
-        denom = torch.zeros(num_seqs, self.num_kv_heads, group).index_add_(0, d.page_seq, e.sum(-1))
-        num = torch.zeros(num_seqs, self.num_kv_heads, group, self.head_dim).index_add_(
-            0, d.page_seq, torch.matmul(e, v))
-        return (num / denom.unsqueeze(-1)).view(num_seqs, self.num_heads, self.head_dim).to(q.dtype)
+    def _attend_decode(self, q: torch.Tensor, g: DecodeGroup, cache_rows: torch.Tensor, workspace) -> torch.Tensor:
+        # q: [n, heads, head_dim] -> [n, heads, head_dim]; one query per sequence.
+        k, v = self._gather(cache_rows, g.kv_rows, q.shape[0], workspace)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=g.valid, scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
 
 
 class MLP(nn.Module):
