@@ -38,11 +38,21 @@ def _exit_after(seconds: float, drained: asyncio.Event) -> None:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions raised by handlers into status codes with the exception's message."""
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
+
     async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
         method = details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            wrapped = self._wrapped[method] = self._wrap(handler, method)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method), handler.request_deserializer,

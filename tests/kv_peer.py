@@ -52,6 +52,13 @@ async def run(args: argparse.Namespace) -> dict:
     transfer = Transfer()
     client = StoreClient(args.store, PROFILE, transfer)
     await client.connect()
+    try:
+        return await run_op(args, client, transfer)
+    finally:
+        await client.close()  # waits for releases still in flight
+
+
+async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transfer) -> dict:
     hashes = [block_hash(args.seed, i) for i in range(args.start, args.start + args.n)]
     buf = Buffers(transfer, args.n)
     tail = f"req-{args.seed}" if args.tail else ""

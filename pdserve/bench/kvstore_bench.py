@@ -2,7 +2,8 @@
 
 All three move the same bytes between the same two processes (this one and a store process)
 in the same run. Store put = AllocatePut + transfer-engine write + CommitPut; store get =
-Get + transfer-engine read + ReleaseLease; raw = one transfer-engine slice, no control plane.
+Get + transfer-engine read (the reader sends ReleaseLease without waiting for it; that call is
+timed on its own); raw = one transfer-engine slice, no control plane.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         dt, resp = await _timed(client.pin(hashes))
         ctrl["get"].append(dt)
         await client.read_slots(resp.slots, addrs)
+        get_s.append(time.perf_counter() - t0)
+        # A reader does not wait for its release (StoreClient.get sends it with release_soon);
+        # the call is timed on its own, after the get.
         dt, _ = await _timed(client.release(resp.lease_id))
         ctrl["release"].append(dt)
-        get_s.append(time.perf_counter() - t0)
         # Raw engine: the same bytes, the same two processes, one slice, no control plane.
         base = resp.slots[0].address
         if all(s.address == base + i * nbytes for i, s in enumerate(resp.slots)):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve import logs
 from pdserve.kv.layout import HashProfile
 from pdserve.kv.transfer import Span, Transfer
 from pdserve.server import channel
@@ -15,6 +16,7 @@ from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import profile_to_pb
 
+log = logs.get("kv.client")
 
 @dataclass(frozen=True)
 class PutResult:
@@ -80,6 +82,7 @@ class StoreClient:
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
         self.segment = ""
         self.block_nbytes = profile.layout.block_nbytes
+        self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
 
     async def connect(self) -> pb.InfoResponse:
         info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
@@ -94,6 +97,8 @@ class StoreClient:
         return self._stub
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -146,7 +151,7 @@ class StoreClient:
                 spans.append(Span(tail_addr, pinned.tail.address, self.block_nbytes))
             slices = await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
         finally:
-            await self.release(pinned.lease_id)
+            self.release_soon(pinned.lease_id)
         return GetResult(len(pinned.slots), pinned.tail is not None, slices)
 
     async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
@@ -193,11 +198,22 @@ class StoreClient:
 
         return asyncio.ensure_future(renew_forever())
 
+    def release_soon(self, lease_id: str) -> None:
+        """End a lease without waiting for the answer: a reader has its bytes once the read
+        returns, and its next step should not wait a round trip for the store to unpin. The
+        call runs as a task this client owns; close() waits for those still in flight."""
+        task = asyncio.ensure_future(self._release_quietly(lease_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
     async def _release_quietly(self, lease_id: str) -> None:
         try:
             await self.release(lease_id)
-        except grpc.aio.AioRpcError:
-            pass  # the lease will lapse on its own
+        except grpc.aio.AioRpcError as e:
+            # The store lapses a lease on its own; NOT_FOUND means it already has.
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("lease release failed; the store lapses it on its own", lease_id=lease_id,
+                            code=e.code().name, message=e.details())
 
     def _require_transfer(self) -> Transfer:
         if self.transfer is None:

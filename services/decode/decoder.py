@@ -213,4 +213,4 @@ class Decoder:
             if got == len(pages):
                 break
         if lease:
-            await store._release_quietly(lease)
+            store.release_soon(lease)

@@ -5,17 +5,18 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DEVICE, DRAM = "device", "dram"
 
 
-class SlotState(enum.Enum):
-    WRITE = "write"
-    PRESENT = "present"
-    PENDING = "pending"
+class SlotState(enum.IntEnum):  # int-valued: hashed and compared at C speed, per block
+    WRITE = 1
+    PRESENT = 2
+    PENDING = 3
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     key: bytes
     tier: str
@@ -28,8 +29,7 @@ class Entry:
     promote_on_release: bool = False
 
 
-@dataclass(frozen=True)
-class SlotRef:
+class SlotRef(NamedTuple):  # one per block per call: a tuple builds fastest
     key: bytes
     address: int
     tier: str

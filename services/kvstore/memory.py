@@ -88,10 +88,7 @@ class TierMemory:
         # uint8 so any KV dtype fits; one allocation keeps adjacent slots adjacent in memory.
         self.buffer = torch.zeros(max(num_slots, 1) * block_nbytes, dtype=torch.uint8, device=device)
         self.allocator = RunAllocator(num_slots)
-
-    @property
-    def base_address(self) -> int:
-        return self.buffer.data_ptr()
+        self.base_address = self.buffer.data_ptr()  # the buffer never moves
 
     @property
     def nbytes(self) -> int:

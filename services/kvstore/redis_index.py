@@ -91,11 +91,14 @@ class RedisIndex:
                 pipe.hset(index, mapping={k.hex(): tier for k, tier in contents[i : i + 1000]})
         else:
             pending, self._pending = self._pending, {}
-            for key, tier in pending.items():
-                if tier is None:
-                    pipe.hdel(index, key.hex())
-                else:
-                    pipe.hset(index, key.hex(), tier)
+            # One HSET and one HDEL per flush: a command per block costs the store's event loop
+            # more than the requests it serves.
+            placed = {key.hex(): tier for key, tier in pending.items() if tier is not None}
+            dropped = [key.hex() for key, tier in pending.items() if tier is None]
+            if placed:
+                pipe.hset(index, mapping=placed)
+            if dropped:
+                pipe.hdel(index, *dropped)
         pipe.expire(index, INDEX_TTL_S)
         hits, misses = self._hits, self._misses
         if hits or misses:

@@ -31,6 +31,7 @@ class BlockStore:
     def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
                  index: IndexSink | None = None, clock=time.monotonic):
         self.tiers = {DEVICE: device, DRAM: dram}
+        self._base = {DEVICE: device.base_address, DRAM: dram.base_address}
         self.block_nbytes = device.block_nbytes
         self.default_lease_s = default_lease_s
         self.index = index or NullIndexSink()
@@ -53,7 +54,7 @@ class BlockStore:
         return lease
 
     def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
-        return SlotRef(entry.key, self.tiers[entry.tier].address(entry.slot), entry.tier, state)
+        return SlotRef(entry.key, self._base[entry.tier] + entry.slot * self.block_nbytes, entry.tier, state)
 
     def _pin(self, entry: Entry) -> None:
         if entry.pins == 0:
@@ -244,8 +245,7 @@ class BlockStore:
         self.index.looked_up(len(found), asked - len(found))
 
     def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
-        self._touch(entry)
-        self._pin(entry)
+        self._pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
         lease.pinned.append(entry.key)
         self.counters.bytes_read += self.block_nbytes
         if entry.tier == DRAM and not entry.is_tail:

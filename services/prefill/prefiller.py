@@ -156,7 +156,7 @@ class Prefiller:
                 n = len(pinned.slots)
                 await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
             finally:
-                await store._release_quietly(pinned.lease_id)
+                store.release_soon(pinned.lease_id)
             span.set_attribute("blocks", n)
             span.set_attribute("bytes", n * store.block_nbytes)
             return n
