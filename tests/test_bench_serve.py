@@ -89,6 +89,10 @@ def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
         assert len(full["records"]) == 6 and all(r["ok"] and r["output_tokens"] == 16 for r in full["records"])
         report = (tmp_path / "report.md").read_text()
         assert "| ttft_ms |" in report and "Goodput" in report
+        pngs = ["ttft_cdf.png", "itl_cdf.png", "attainment.png"]
+        assert doc["plots"] == pngs
+        for name in pngs:
+            assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     finally:
         s.stop()
 

@@ -110,14 +110,21 @@ def report_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(doc: dict, records: list[Record], out: Path) -> list[str]:
+def require_matplotlib() -> None:
+    """Fail before the load runs, not after, when the plots cannot be drawn."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise SystemExit("bench serve draws PNG plots with matplotlib: pip install 'pdserve[bench]' "
+                         "(or pass --no-plots)") from e
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+
+def plots(doc: dict, records: list[Record], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     made = []
     for name, values in (("ttft_ms", [r.ttft_ms for r in records if r.ok]),
                          ("itl_ms", [x for r in records if r.ok for x in r.itl_ms])):
@@ -150,6 +157,8 @@ def plots(doc: dict, records: list[Record], out: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if not args.no_plots:
+        require_matplotlib()
     base = build_workload(args)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else ([args.rate] if args.rate else [])
     sweep: dict[float, float] = {}
@@ -169,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
         doc["goodput_rps"] = goodput(sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc["plots"] = plots(doc, records, out)
+    doc["plots"] = [] if args.no_plots else plots(doc, records, out)
     (out / "serve.json").write_text(json.dumps(doc, indent=1, default=_nan_safe))
     (out / "report.md").write_text(report_markdown(doc))
     lines = [report_markdown(doc), f"written: {out / 'serve.json'}, {out / 'report.md'}"
@@ -205,5 +214,6 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: the trace's own times)")
     p.add_argument("--rates", default="", help="comma-separated rates to sweep for goodput")
     p.add_argument("--out", default="bench-out/serve")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they need matplotlib)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
