@@ -28,6 +28,19 @@ def test_recent_routes_leading_run_expiry_and_bound():
     assert r.leading("p0", [b"e", b"f", b"g"]) == 3 and r.leading("p0", [b"b"]) == 0
 
 
+def test_recent_routes_binary_search_on_long_chains():
+    clock = FakeClock()
+    r = RecentRoutes(ttl_s=3.0, clock=clock)
+    chain = [i.to_bytes(16, "big") for i in range(512)]
+    r.add("p0", chain)
+    assert [r.leading("p0", chain[:n]) for n in (0, 1, 2, 511, 512)] == [0, 1, 2, 511, 512]
+    assert r.leading("p0", chain + [b"new"]) == 512
+    clock.now += 2.0
+    r.add("p0", chain[:100])  # a request sharing the first 100 blocks restamps exactly those
+    clock.now += 1.5
+    assert r.leading("p0", chain) == 100 and r.leading("p0", chain[:37]) == 37
+
+
 def test_ttft_estimate_and_choices():
     coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01)
     idle_cached = PrefillCandidate("p0", queued_tokens=0, local_hit_tokens=800, inflight=0)

@@ -41,7 +41,8 @@ class Registration:
         self.cached_hashes = cached_hashes
         self.interval_s = interval_s
         self.connected = False
-        self._published: frozenset[bytes] | None = None
+        self._published: frozenset[bytes] | None = None  # None: write the whole set next beat
+        self._warned = False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -62,22 +63,34 @@ class Registration:
     async def beat(self) -> None:
         ttl = max(1, int(self.interval_s * 3))
         now = time.time()
-        pipe = self.redis.pipeline(transaction=False)
+        # One transaction: a reader never sees the cache index half rewritten.
+        pipe = self.redis.pipeline(transaction=True)
         key = self.keys.worker(self.worker_id)
         pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now)})
         pipe.expire(key, ttl)
         pipe.zadd(self.keys.workers(), {self.worker_id: now})
-        if self.cached_hashes is not None:
-            hashes = frozenset(self.cached_hashes())
-            if hashes != self._published:
-                index = self.keys.worker_index(self.worker_id)
-                pipe.delete(index)
-                if hashes:
-                    pipe.sadd(index, *(h.hex() for h in hashes))
-            pipe.expire(self.keys.worker_index(self.worker_id), ttl)
-        await pipe.execute()
-        if self.cached_hashes is not None:
-            self._published = hashes
+        if self.cached_hashes is None:
+            await pipe.execute()
+            return
+        hashes = frozenset(self.cached_hashes())
+        index = self.keys.worker_index(self.worker_id)
+        if self._published is None:
+            pipe.delete(index)  # first beat, or Redis came back: the whole set
+            added, removed = hashes, frozenset()
+        else:
+            # Only what changed: a worker's cache holds thousands of blocks, and rewriting the set
+            # each beat would stall Redis (and every router look-up queued behind it).
+            added, removed = hashes - self._published, self._published - hashes
+        if removed:
+            pipe.srem(index, *(h.hex() for h in removed))
+        if added:
+            pipe.sadd(index, *(h.hex() for h in added))
+        pipe.scard(index)
+        pipe.expire(index, ttl)
+        results = await pipe.execute()
+        # A set of another size than ours lapsed while this worker stalled, or Redis lost it: the
+        # next beat writes the whole set again.
+        self._published = hashes if results[-2] == len(hashes) else None
 
     async def _run(self) -> None:
         while True:
@@ -86,9 +99,11 @@ class Registration:
                 if not self.connected:
                     log.info("registered in redis", worker=self.worker_id, role=self.fields["role"])
                 self.connected = True
+                self._warned = False
             except (aioredis.RedisError, OSError) as e:
-                if self.connected or self._published is None:
+                if self.connected or not self._warned:
                     log.warning("redis unavailable: serving on without registration", error=str(e))
+                    self._warned = True
                 self.connected = False
-                self._published = frozenset({b"?"})  # force a full republish once Redis is back
+                self._published = None  # republish the whole set once Redis is back
             await asyncio.sleep(self.interval_s)

@@ -20,7 +20,8 @@ class PrefixHits:
 # as one string of 32-character hex hashes (one argument instead of n: much less to encode).
 # Returns, per key, how many leading hashes of the chain it holds. Caches hold chains prefix-closed
 # (a block is cached only after its parent; eviction takes tails first), so presence is monotone
-# along the chain and a binary search needs ~log2(n) look-ups per key instead of n.
+# along the chain and a binary search needs ~log2(n) look-ups per key instead of n (one, for a key
+# that lacks the chain's first block).
 _LEADING_RUNS = """
 local out = {}
 local chain = ARGV[1]
@@ -33,6 +34,7 @@ for k = 1, #KEYS do
     return redis.call('SISMEMBER', KEYS[k], h) == 1
   end
   local lo, hi = 0, n  -- invariant: the first lo are present; none beyond hi
+  if n > 0 and not has(1) then hi = 0 end  -- most keys hold none of the chain: one look-up
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
     if has(mid) then lo = mid else hi = mid - 1 end
