@@ -61,3 +61,16 @@ def test_ttft_estimate_and_choices():
     assert d.worker_id == "d2" and Policy.choose_decode([DecodeCandidate("d0", 10, 0)], 20) is None
     coef.observe(computed_tokens=100, prefill_ms=50, store_tokens=0, load_ms=0)
     assert round(coef.prefill_ms_per_token, 6) == round(0.1 + 0.2 * (0.5 - 0.1), 6)
+
+
+def test_decode_waits_for_a_queued_prefill_as_long_as_it_was_routed_to():
+    from types import SimpleNamespace
+
+    from services.router.config import RouterConfig
+    from services.router.router import Route, Router
+
+    router = SimpleNamespace(cfg=RouterConfig(prefill_timeout_ms=4000))  # the method reads cfg only
+    idle = Route(None, None, "cache_aware", 0, 0, estimated_ttft_ms=120.0, route_ms=0.5)
+    queued = Route(None, None, "cache_aware", 0, 0, estimated_ttft_ms=9000.0, route_ms=0.5)
+    assert Router.prefill_silence_ms(router, idle) == 4240
+    assert Router.prefill_silence_ms(router, queued) == 22000

@@ -3,7 +3,9 @@
 Read top to bottom: attention metadata → Transformer → Block → Attention → MLP → RMSNorm.
 The KV cache is one tensor [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
 (a block's KV for every layer is one contiguous slab, see DESIGN.md). Tokens of all
-sequences in a step are flattened into one dimension T; no padding across sequences.
+sequences in a step are flattened into one dimension T, never padded. Prompt chunks attend one
+sequence at a time; decoding sequences attend in groups, each padded (masked) only up to its
+longest member, and the runner keeps that within 1.25x of the group's real pages.
 """
 
 from __future__ import annotations

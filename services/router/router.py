@@ -211,6 +211,12 @@ class Router:
             self.metrics.observe("tpot_ms", tpot)
         yield summary
 
+    def prefill_silence_ms(self, route: Route) -> int:
+        """How long decode waits for prefill's first sign of life before giving the request up.
+        A prompt queued behind others is silent until its turn: the wait it was routed with
+        (estimated queue + compute, twice over) comes on top of the configured silence."""
+        return self.cfg.prefill_timeout_ms + int(2 * route.estimated_ttft_ms)
+
     async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary):
         sampling = sampling_to_pb(params)
         if route.prefill is None:
@@ -218,7 +224,7 @@ class Router:
                 yield item
             return
         async for ev in disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                      self.profile_pb, self.cfg.call_timeout_s, self.cfg.prefill_timeout_ms):
+                                      self.profile_pb, self.cfg.call_timeout_s, self.prefill_silence_ms(route)):
             if isinstance(ev, FirstFromPrefill):
                 await self._account(ev.response, route, len(ids))
                 u = ev.response.usage
