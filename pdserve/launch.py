@@ -13,18 +13,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the process that started us dies, however it
-    dies (even SIGKILL), so no service outlives its launcher."""
-    try:
-        import ctypes
+def die_with_parent() -> list[str]:
+    """A command prefix under which the child gets SIGTERM when the thread that started it dies,
+    however it dies (even SIGKILL), so no service outlives its launcher.
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the launcher's own cleanup still stops its children
+    util-linux's `setpriv` sets the death signal and execs the command. (A preexec_fn would run
+    Python in the forked child, which crashes now and then when other threads of the parent are
+    inside gRPC.) Without setpriv the launcher's own cleanup still stops its children."""
+    exe = shutil.which("setpriv")
+    return [exe, "--pdeathsig", "TERM", "--"] if exe else []
 
 
 def free_port() -> int:
@@ -62,8 +61,9 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+            [*die_with_parent(), self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 10
         while not redis_reachable(self.url):
             if time.time() > deadline or self.proc.poll() is not None:
@@ -85,7 +85,7 @@ class ServiceProcess:
         self.tmp = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
         self.port_file = os.path.join(self.tmp, "port")
         self.log_path = os.path.join(self.tmp, "log")
-        self.args = [sys.executable, "-m", module, "--port-file", self.port_file, *flags]
+        self.args = [*die_with_parent(), sys.executable, "-m", module, "--port-file", self.port_file, *flags]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.port = 0
@@ -98,7 +98,7 @@ class ServiceProcess:
     def spawn(self) -> ServiceProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait_ready(self, timeout_s: float = 120) -> ServiceProcess:

@@ -43,13 +43,16 @@ def test_one_trace_spans_router_prefill_store_decode(shared_redis_url):
         with Client(s.router.address) as c:
             result = c.generate(list(range(1, 100)), max_tokens=4, request_id="traced-1")
         assert result.usage["completion_tokens"] == 4
+        # Each process exports on its own schedule: wait until every expected span is in.
         deadline = time.time() + 10
         while time.time() < deadline:
             routed = [sp for sp in receiver.spans if sp[1] == "route"]
             if routed:
                 trace_id = routed[0][2]
                 services = {sp[0] for sp in receiver.spans if sp[2] == trace_id}
-                if services >= {"router", "prefill", "decode", "kvstore"}:
+                names = {sp[1] for sp in receiver.spans if sp[2] == trace_id}
+                if services >= {"router", "prefill", "decode", "kvstore"} and names >= {
+                        "route", "prefill", "store.put", "decode.pull", "/pdserve.v1.KVStore/AllocatePut"}:
                     break
             time.sleep(0.2)
         trace_id = next(sp[2] for sp in receiver.spans if sp[1] == "route")
