@@ -49,7 +49,8 @@ class ModelRunner:
             if n == 1:
                 decoding.append((q_start, seq.block_table[:num_pages], context_len))
             else:
-                pages = torch.tensor([seq.block_table[:num_pages]], dtype=torch.long)
+                # Only a chunk with cached context before it gathers pages; a fresh one attends to itself.
+                pages = torch.tensor([seq.block_table[:num_pages] if start > 0 else []], dtype=torch.long)
                 seqs.append(SeqAttention(q_start, n, context_len, self._rows(pages)))
             if chunk.sample:
                 logits_rows.append(len(input_ids) - 1)

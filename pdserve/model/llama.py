@@ -38,7 +38,7 @@ class SeqAttention:
     q_start: int  # first row of this sequence in the flat token dimension
     q_len: int  # new tokens this step
     context_len: int  # tokens in cache after this step (cached + new)
-    kv_rows: torch.Tensor  # page_rows() of its ceil(context_len / block_size) pages
+    kv_rows: torch.Tensor  # page_rows() of its ceil(context_len / block_size) pages (empty: nothing cached)
 
 
 @dataclass(frozen=True)
