@@ -15,6 +15,9 @@ apt_missing=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_missing+=(libibverbs1)  # Mooncake Transfer Engine
 command -v redis-server >/dev/null || apt_missing+=(redis-server)  # tests and `pdserve up` start their own
 command -v setpriv >/dev/null || apt_missing+=(util-linux)  # children die with their launcher (pdserve.launch)
+# The CPU kernels (decode attention, norms) are C, built on first use: a compiler and libc headers.
+{ command -v cc || command -v gcc; } >/dev/null || apt_missing+=(gcc)
+[ -e /usr/include/math.h ] || apt_missing+=(libc6-dev)
 command -v python3 >/dev/null || apt_missing+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || apt_missing+=(python3-venv)
 # The tests check compose.yaml with `docker-compose config` (no Docker engine needed for that).

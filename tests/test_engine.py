@@ -41,8 +41,12 @@ def reference(tiny):
     return {n: alone(tiny, prompt(n)) for n in LENGTHS}
 
 
-def test_continuous_batching_with_joins_midway(tiny, reference):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=600, max_num_batched_tokens=64))
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_continuous_batching_with_joins_midway(tiny, reference, backend):
+    """Both decode attention paths (C kernel in place, gathered pages + SDPA) give each sequence's
+    tokens alone, while prompt chunks and decodes share steps."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=600, max_num_batched_tokens=64, attention_backend=backend))
+    assert engine.runner.attention_backend == backend
     for n in LENGTHS[:3]:
         engine.add_request(f"r{n}", prompt(n), GREEDY)
     out: dict[str, list[int]] = {}

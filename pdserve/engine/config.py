@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+
 
 class Role(enum.Enum):
     COLOCATED = "colocated"  # prefill and decode in one engine (baseline, short prompts)
@@ -23,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     mock_cost: Any = None  # a mock_runner.CostModel: run the mock engine instead of the model
+    # Decode attention: "kernel" reads pages in place (C, built on first use), "torch" gathers
+    # pages and calls SDPA, "auto" takes the kernel where it builds and says so when it does not.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -33,5 +38,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

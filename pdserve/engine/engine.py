@@ -76,7 +76,7 @@ class LLMEngine:
         if self.config.mock_cost is not None:
             self.runner = MockRunner(self.kv_cache, loaded.config.vocab_size, self.config.mock_cost)
         else:
-            self.runner = ModelRunner(loaded.model, self.kv_cache)
+            self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.attention_backend)
         self._ids = itertools.count()
         self.last_progress: dict[str, int] = {}
 

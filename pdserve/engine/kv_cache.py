@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.malloc import huge_pages
 from pdserve.kv.layout import KVLayout
 
 
@@ -16,7 +17,10 @@ class KVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
         self.layout = layout
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        self.tensor = torch.empty((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        if self.tensor.device.type == "cpu":
+            huge_pages(self.tensor.data_ptr(), self.tensor.numel() * self.tensor.element_size())
+        self.tensor.zero_()
 
     @classmethod
     def blocks_for_bytes(cls, layout: KVLayout, nbytes: int) -> int:

@@ -19,18 +19,39 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for this setting
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20  # grow the heap in large steps
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
     """Returns whether the setting took (False off glibc)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def huge_pages(address: int, nbytes: int) -> bool:
+    """Ask the kernel to back [address, address + nbytes) with transparent huge pages (where THP
+    is in `madvise` mode, nothing does otherwise). Decode attention walks every page of the KV
+    cache each step, 4 KiB at a time from scattered places: with 4 KiB pages each of those is a
+    TLB miss and a cold prefetcher, about 20% of its time here. Call before first touch. Returns
+    whether the advice took (False off Linux/glibc or for a region under 2 MiB)."""
+    madvise = getattr(_libc(), "madvise", None)
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if madvise is None or end <= start:
+        return False
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0

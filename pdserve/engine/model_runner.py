@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from pdserve import logs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model.llama import AttentionMetadata, DecodeGroup, SeqAttention, Transformer, page_rows
+from pdserve.model import cpu_kernels
+from pdserve.model.llama import AttentionMetadata, DecodeGroup, PagedDecode, SeqAttention, Transformer, page_rows
+
+log = logs.get("engine")
 
 # Decoding sequences are attended in groups, each padded to its longest member; a group takes
 # another sequence only while its padded pages stay within this factor of its real pages.
@@ -17,8 +21,9 @@ MAX_PADDING = 1.25
 class ModelRunner:
     """Runs one step. Reads sequences, writes only the KV cache pages it was given."""
 
-    def __init__(self, model: Transformer, kv_cache: KVCache):
+    def __init__(self, model: Transformer, kv_cache: KVCache, attention_backend: str = "auto"):
         self.model = model
+        self.attention_backend = self._backend(attention_backend, kv_cache.tensor)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self._layers = kv_cache.layout.num_layers
@@ -56,12 +61,18 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
         pos_t = torch.tensor(positions, dtype=torch.long)
-        groups = self._decode_groups(decoding)
+        paged, groups = None, ()
+        if self.attention_backend == "kernel":
+            paged = self._paged(decoding)
+        else:
+            groups = self._decode_groups(decoding)
         meta = AttentionMetadata(
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long),
             slot_offsets=pos_t % bs,
             seqs=tuple(seqs),
             decode=groups,
+            paged=paged,
+            row_ops=paged is not None and self.kv_cache.tensor.dtype == torch.float32,
             workspace=self._workspace_for(max((a.kv_rows.numel() for a in (*seqs, *groups)), default=0)),
         )
         logits = self.model(
@@ -75,6 +86,27 @@ class ModelRunner:
             return {}
         tokens, logprobs = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         return {s.request_id: (t, lp) for s, t, lp in zip(sampled, tokens, logprobs, strict=False)}
+
+    @staticmethod
+    def _backend(requested: str, cache: torch.Tensor) -> str:
+        if requested == "torch":
+            return "torch"
+        why_not = cpu_kernels.available(cache.dtype) if cache.device.type == "cpu" else "the cache is not on the CPU"
+        if why_not is None:
+            return "kernel"
+        if requested == "kernel":
+            raise ValueError(f"attention_backend 'kernel' is unavailable: {why_not}")
+        log.warning("decode attention falls back to gathered pages + SDPA (slower)", reason=why_not)
+        return "torch"
+
+    @staticmethod
+    def _paged(decoding: list[tuple[int, list[int], int]]) -> PagedDecode:
+        width = max((len(p) for _, p, _ in decoding), default=0)
+        # Rows are padded with page 0; the kernel reads only a row's first ceil(context / block) pages.
+        tables = torch.tensor([p + [0] * (width - len(p)) for _, p, _ in decoding], dtype=torch.long)
+        return PagedDecode(torch.tensor([r for r, _, _ in decoding], dtype=torch.long),
+                           tables.view(len(decoding), width),
+                           torch.tensor([c for _, _, c in decoding], dtype=torch.long))
 
     def _workspace_for(self, rows: int) -> torch.Tensor:
         """One scratch buffer for gathered pages, kept across steps (it only grows)."""

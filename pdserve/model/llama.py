@@ -4,8 +4,9 @@ Read top to bottom: attention metadata → Transformer → Block → Attention �
 The KV cache is one tensor [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
 (a block's KV for every layer is one contiguous slab, see DESIGN.md). Tokens of all
 sequences in a step are flattened into one dimension T, never padded. Prompt chunks attend one
-sequence at a time; decoding sequences attend in groups, each padded (masked) only up to its
-longest member, and the runner keeps that within 1.25x of the group's real pages.
+sequence at a time. Decoding sequences attend either through the C kernel, which reads their
+pages in place (`paged`), or, where it is not built, in groups of gathered pages, each padded
+(masked) only up to its longest member, within 1.25x of the group's real pages (`decode`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import cpu_kernels
 from pdserve.model.config import ModelConfig
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.rope import RotaryEmbedding, rotate
 
 
 def page_rows(block_ids: torch.Tensor, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -52,11 +54,23 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class PagedDecode:
+    """Sequences with exactly one new token, attended by the C kernel straight from their pages:
+    no gather, no padding (cpu_kernels.paged_decode)."""
+
+    rows: torch.Tensor  # [n] their rows in the flat token dimension
+    block_tables: torch.Tensor  # [n, max_pages] int64 page ids (a row's tail beyond its pages is unread)
+    context_lens: torch.Tensor  # [n] int64 tokens in cache, the new one included
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_block_ids: torch.Tensor  # [T] page receiving each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that page
     seqs: tuple[SeqAttention, ...]  # sequences attended one by one (prompt chunks)
     decode: tuple[DecodeGroup, ...] = ()
+    paged: PagedDecode | None = None  # set (maybe with no rows) when the C kernel does decode attention
+    row_ops: bool = False  # norms and SwiGLU as C row ops (float32 on CPU)
     # Scratch for gathered pages, reused by every layer (None: allocate per gather).
     workspace: torch.Tensor | None = None
 
@@ -83,10 +97,12 @@ class Transformer(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, L, 2, kv_heads, block_size, head_dim]
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
-        x = self.embed(input_ids)  # [T, hidden]
+        h = self.embed(input_ids)  # [T, hidden]
+        cos_sin = self.rope.at(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, meta, kv_cache, self.rope)
-        x = self.norm(x[logits_indices])
+            h, residual = layer(h, residual, cos_sin, meta, kv_cache)
+        x = self.norm((residual + h)[logits_indices])
         return self.lm_head(x).float()
 
 
@@ -98,9 +114,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, meta, kv_cache, rope) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, meta, kv_cache, rope)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, h, residual, cos_sin, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's output, the residual stream before it): the caller's next norm adds them."""
+        h, residual = self.attn_norm.add_norm(h, residual, meta.row_ops)
+        h = self.attn(h, cos_sin, meta, kv_cache)
+        h, residual = self.mlp_norm.add_norm(h, residual, meta.row_ops)
+        return self.mlp(h, meta.row_ops), residual
 
 
 class Attention(nn.Module):
@@ -118,20 +137,34 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.row_offset = layer_idx * 2 * config.num_kv_heads  # see page_rows()
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv_cache, rope) -> torch.Tensor:
+    def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         # kv_cache: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]
         num_tokens = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        q_size, kv_size, _ = self.split
+        qkv = self.wqkv(x)
+        # q and k lie side by side in qkv: rotate them in one go. [T, heads + kv_heads, head_dim]
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+        if meta.row_ops:
+            cpu_kernels.rope_(qk, *cos_sin)
+        else:
+            qk = rotate(qk, cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         # Write the new tokens' K/V into their pages: [T, kv_heads, head_dim] each.
-        layer_cache = kv_cache[:, self.layer_idx]
-        layer_cache[meta.slot_block_ids, 0, :, meta.slot_offsets] = k
-        layer_cache[meta.slot_block_ids, 1, :, meta.slot_offsets] = v
-        cache_rows = kv_cache.view(-1, kv_cache.shape[-2] * self.head_dim)
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=x.dtype)
+        if meta.paged is not None:
+            cpu_kernels.write_kv(kv_cache, k, v, meta.slot_block_ids, meta.slot_offsets, self.layer_idx)
+        else:
+            layer_cache = kv_cache[:, self.layer_idx]
+            layer_cache[meta.slot_block_ids, 0, :, meta.slot_offsets] = k
+            layer_cache[meta.slot_block_ids, 1, :, meta.slot_offsets] = v
+        p = meta.paged
+        kernel = p is not None and p.rows.numel() > 0
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32 if kernel else x.dtype)
+        if kernel:
+            cpu_kernels.paged_decode(kv_cache, q.float(), out, p.rows, p.block_tables, p.context_lens,
+                                     self.layer_idx, self.scale)
+            out = out.to(x.dtype)
+        cache_rows = kv_cache.view(-1, kv_cache.shape[-2] * self.head_dim)  # for the gathers below
         for g in meta.decode:
             out[g.rows] = self._attend_decode(q[g.rows], g, cache_rows, meta.workspace)
         for s in meta.seqs:
@@ -192,8 +225,11 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, row_ops: bool = False) -> torch.Tensor:
+        gate_up = self.w_gate_up(x)
+        if row_ops:
+            return self.w_down(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -210,3 +246,14 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, row_ops: bool) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        """residual += h (residual None: h starts the stream), then (norm(residual), residual).
+        row_ops: one C pass, adding in place into the residual stream."""
+        if row_ops:
+            if residual is None:
+                return cpu_kernels.add_rms_norm(h, None, self.weight, self.eps), h
+            return cpu_kernels.add_rms_norm(residual, h, self.weight, self.eps), residual
+        residual = h if residual is None else residual + h
+        return self(residual), residual

@@ -1,0 +1,208 @@
+"""The C decode-attention kernel (csrc/paged_decode.c): built on first use, called through ctypes.
+
+Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
+libgomp, already loaded under the same soname) into a cache directory keyed by the source, the
+flags and the CPU, so every worker process of one machine reuses one build. Concurrent first
+builds are safe: each compiles to its own temporary file and renames it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "pointwise.c")]
+# -ffast-math lets expf vectorize (glibc's libmvec). It is given when compiling only: linked with
+# it, gcc would add crtfastmath.o, which turns on flush-to-zero for the whole process (torch too).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why and what to install."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_KERNEL_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
+    return Path(root)
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "".join(lines)
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise KernelUnavailable("no C compiler found (set CC, or install gcc: apt-get install gcc)")
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel library (built now if this machine has none yet)."""
+    cc = _compiler()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join([cc, *FLAGS, *LINK_FLAGS]).encode()
+                         + _cpu_key().encode()).hexdigest()
+    target = _cache_dir() / f"cpu_ops-{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        objects = [f"{tmp}.{src.stem}.o" for src in SOURCES]
+        try:
+            steps = [[cc, *FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects, strict=True)]
+            for cmd in [*steps, [cc, *objects, "-o", tmp, *LINK_FLAGS]]:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise KernelUnavailable(f"building the CPU kernels with {cc} failed: {done.stderr.strip()[-600:]}")
+            os.replace(tmp, target)
+        finally:
+            for leftover in (tmp, *objects):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+    lib = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for suffix in _SUFFIX.values():
+        fn = getattr(lib, f"paged_decode_{suffix}")
+        fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, *[i64] * 8, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"write_kv_{suffix}")
+        fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, *[i64] * 6]
+        fn.restype = None
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float]
+    lib.rms_norm_f32.restype = None
+    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.silu_and_mul_f32.restype = None
+    lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.rope_f32.restype = None
+    return lib
+
+
+def available(dtype: torch.dtype) -> str | None:
+    """None when the kernel serves this cache dtype here; otherwise why not."""
+    if dtype not in _SUFFIX:
+        return f"no kernel for {dtype}"
+    try:
+        library()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def _rows_of(t: torch.Tensor, per_row: int) -> int:
+    """The row stride of t [T, ...], whose rows must each be `per_row` contiguous elements."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            break
+        expected *= size
+    if expected != per_row or t.dim() < 2:
+        raise ValueError(f"rows of {tuple(t.shape)} (strides {t.stride()}) are not {per_row} contiguous elements")
+    return t.stride(0)
+
+
+@functools.cache
+def _fn(name: str):
+    return getattr(library(), name)
+
+
+def _indices(*ts: torch.Tensor) -> None:
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in ts):
+        raise ValueError("page ids, offsets, rows and lengths are contiguous int64 tensors")
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             layer: int) -> None:
+    """The new tokens' k, v [T, kv_heads, head_dim] (rows may be strided) into slot offsets[r] of
+    page blocks[r] (int64 [T]) of `layer`, as `kv_cache[blocks, layer, 0|1, :, offsets] = k|v`."""
+    _, layers, _, kv_heads, block_size, head_dim = kv_cache.shape
+    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or not kv_cache.is_contiguous():
+        raise ValueError(f"write_kv: k {k.dtype} / v {v.dtype} do not match the cache ({kv_cache.dtype})")
+    _indices(blocks, offsets)
+    _fn(f"write_kv_{_SUFFIX[kv_cache.dtype]}")(
+        kv_cache.data_ptr(), k.data_ptr(), _rows_of(k, kv_heads * head_dim), v.data_ptr(),
+        _rows_of(v, kv_heads * head_dim), blocks.data_ptr(), offsets.data_ptr(), blocks.numel(), layer, layers,
+        kv_heads, block_size, head_dim)
+
+
+def paged_decode(kv_cache: torch.Tensor, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, layer: int, scale: float) -> None:
+    """Attention of query rows q[rows[s]] ([heads, head_dim] each) over sequence s's pages, written
+    to out[rows[s]]; other rows of out are left alone. q and out float32 [T, heads, head_dim]
+    (rows may be strided). kv_cache [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+    (contiguous, CPU); block_tables [n, max_pages] int64 (only the first
+    ceil(context_len / block_size) are read); context_lens [n] int64, each ≥ 1."""
+    _, layers, _, kv_heads, block_size, head_dim = kv_cache.shape
+    heads = q.shape[1]
+    if q.shape[-1] != head_dim or heads % kv_heads or not kv_cache.is_contiguous():
+        raise ValueError(f"paged_decode: cache {tuple(kv_cache.shape)} does not fit queries {tuple(q.shape)}")
+    if q.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError("paged_decode: queries and output are float32")
+    _indices(rows, block_tables, context_lens)
+    rc = _fn(f"paged_decode_{_SUFFIX[kv_cache.dtype]}")(
+        kv_cache.data_ptr(), q.data_ptr(), _rows_of(q, heads * head_dim), out.data_ptr(),
+        _rows_of(out, heads * head_dim), rows.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        rows.numel(), block_tables.shape[1], layer, layers, heads, kv_heads, block_size, head_dim, scale,
+        torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged_decode: out of memory for attention scores")
+
+
+def _float_rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 or t.device.type != "cpu":
+        raise ValueError(f"{name}: float32 [rows, dim] with contiguous rows expected, got {t.dtype} {tuple(t.shape)}")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (when given), then RMSNorm(x) * weight as a new [rows, dim] tensor."""
+    _float_rows(x, "add_rms_norm")
+    if delta is not None:
+        _float_rows(delta, "add_rms_norm")
+        if delta.shape != x.shape:
+            raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
+    rows, dim = x.shape
+    if weight.shape != (dim,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"add_rms_norm: weight must be float32 [{dim}]")
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    _fn("rms_norm_f32")(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+                           0 if delta is None else delta.stride(0), out.data_ptr(), dim, weight.data_ptr(), rows,
+                           dim, eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * dim] -> silu(gate_up[:, :dim]) * gate_up[:, dim:], [rows, dim]."""
+    _float_rows(gate_up, "silu_and_mul")
+    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    _fn("silu_and_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), dim, rows, dim)
+    return out
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate qk [T, heads, head_dim] (rows may be strided) in place; cos, sin [T, 1, head_dim]."""
+    tokens, heads, head_dim = qk.shape
+    if qk.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("rope_: float32 queries/keys and cos/sin tables expected")
+    if cos.shape != (tokens, 1, head_dim) or sin.shape != cos.shape or not cos.is_contiguous() \
+            or not sin.is_contiguous():
+        raise ValueError(f"rope_: cos/sin must be contiguous [{tokens}, 1, {head_dim}]")
+    _fn("rope_f32")(qk.data_ptr(), _rows_of(qk, heads * head_dim), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+                       head_dim)

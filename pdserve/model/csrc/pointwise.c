@@ -1,0 +1,59 @@
+/* Row-wise float32 ops of the decoder layer, each one pass over its rows instead of the five to
+ * eight small torch ops (and their temporaries) they replace at decode batch sizes.
+ * Rows are contiguous, `*_stride` floats apart; all sums in float32, as torch computes them. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* residual (when not NULL) += delta; then out = residual * rsqrt(mean(residual^2) + eps) * w.
+ * With residual NULL, x is normalised alone: out = x * rsqrt(mean(x^2) + eps) * w. */
+void rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
+                  float *out, int64_t out_stride, const float *w, int64_t rows, int64_t dim,
+                  float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * x_stride, *o = out + r * out_stride;
+        if (delta != NULL) {
+            const float *dr = delta + r * delta_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) xr[i] += dr[i];
+        }
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < dim; i++) sq += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* out[r] = silu(gate_up[r][:dim]) * gate_up[r][dim:], silu(g) = g / (1 + exp(-g)). */
+void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
+                      int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * in_stride, *u = g + dim;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding in place on each token's q and k heads (the first `heads` head_dim-wide
+ * slices of its qkv row), half-split pairs as HF Llama: for i < d/2,
+ *   x[i] = x[i] cos[i] - x[i + d/2] sin[i],  x[i + d/2] = x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2].
+ * cos and sin: [tokens, head_dim] rows. */
+void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin, int64_t tokens,
+              int64_t heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < tokens; r++) {
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x = qkv + r * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = x[i], hi = x[i + half];
+                x[i] = lo * c[i] - hi * s[i];
+                x[i + half] = hi * c[i + half] + lo * s[i + half];
+            }
+        }
+    }
+}

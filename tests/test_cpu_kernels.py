@@ -1,0 +1,168 @@
+"""The C kernels (pdserve/model/csrc) against the torch ops they replace, on exact inputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.model import cpu_kernels
+from pdserve.model.rope import RotaryEmbedding, rotate
+
+LAYERS, BLOCK = 3, 16
+
+
+def reference_attention(cache, q, table, ctx, layer):
+    """SDPA over the sequence's pages gathered in order: q [heads, D] -> [heads, D] (float32)."""
+    pages = -(-ctx // BLOCK)
+    kv = cache[table[:pages], layer].float()  # [pages, 2, kv_heads, BLOCK, D]
+    k = kv[:, 0].permute(1, 0, 2, 3).reshape(kv.shape[2], -1, kv.shape[-1])[:, :ctx]
+    v = kv[:, 1].permute(1, 0, 2, 3).reshape(kv.shape[2], -1, kv.shape[-1])[:, :ctx]
+    return F.scaled_dot_product_attention(q.unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (8, 2, 128), (3, 3, 48), (4, 1, 20)])
+def test_paged_decode_matches_sdpa_over_gathered_pages(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 7 * BLOCK + 3]
+    max_pages = -(-max(lengths) // BLOCK)
+    num_blocks = len(lengths) * max_pages + 5
+    cache = torch.randn(num_blocks, LAYERS, 2, kv_heads, BLOCK, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lengths) * max_pages].view(len(lengths), max_pages)
+    # Rows of q/out are not the sequences' order, and one row (a prefill token) is left alone.
+    rows = torch.tensor([5, 0, 3, 1, 2], dtype=torch.long)
+    q = torch.randn(6, heads, head_dim, generator=gen)
+    out = torch.full((6, heads, head_dim), 7.0)
+    layer = 1
+    cpu_kernels.paged_decode(cache, q, out, rows, tables.contiguous(), torch.tensor(lengths), layer, head_dim ** -0.5)
+    for s, ctx in enumerate(lengths):
+        expected = reference_attention(cache, q[rows[s]], tables[s], ctx, layer)
+        torch.testing.assert_close(out[rows[s]], expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(out[4], torch.full((heads, head_dim), 7.0))
+
+
+def test_paged_decode_result_is_independent_of_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(40, LAYERS, 2, 2, BLOCK, 64, generator=gen)
+    q = torch.randn(3, 4, 64, generator=gen)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    lens = torch.tensor([40, 33, 17])
+    together = torch.empty(3, 4, 64)
+    cpu_kernels.paged_decode(cache, q, together, torch.arange(3), tables, lens, 0, 0.125)
+    for s in range(3):
+        single = torch.empty(1, 4, 64)
+        cpu_kernels.paged_decode(cache, q[s:s + 1], single, torch.zeros(1, dtype=torch.long), tables[s:s + 1],
+                                 lens[s:s + 1], 0, 0.125)
+        assert torch.equal(single[0], together[s])  # bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_indexed_assignment(dtype):
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(6, LAYERS, 2, 2, BLOCK, 8, generator=gen).to(dtype)
+    expected = cache.clone()
+    qkv = torch.randn(5, 4 * 8 + 2 * 8 * 2, generator=gen).to(dtype)  # strided rows, as the model's views
+    k = qkv[:, 32:48].view(5, 2, 8)
+    v = qkv[:, 48:].view(5, 2, 8)
+    blocks = torch.tensor([4, 4, 0, 5, 2])
+    offsets = torch.tensor([0, 15, 3, 7, 9])
+    cpu_kernels.write_kv(cache, k, v, blocks, offsets, 2)
+    expected[blocks, 2, 0, :, offsets] = k
+    expected[blocks, 2, 1, :, offsets] = v
+    assert torch.equal(cache, expected)
+
+
+def test_row_ops_match_torch():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 96, generator=gen)
+    delta = torch.randn(7, 96, generator=gen)
+    w = torch.randn(96, generator=gen)
+    residual = x.clone()
+    out = cpu_kernels.add_rms_norm(residual, delta, w, 1e-5)
+    assert torch.equal(residual, x + delta)  # updated in place
+    torch.testing.assert_close(out, F.rms_norm(x + delta, (96,), w, 1e-5), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x.clone(), None, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5),
+                               atol=1e-6, rtol=1e-5)
+
+    gate_up = torch.randn(7, 2 * 50, generator=gen)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate_up[:, :50]) * gate_up[:, 50:],
+                               atol=1e-6, rtol=1e-5)
+
+    rope = RotaryEmbedding(64, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0})
+    positions = torch.tensor([0, 1, 17, 4000])
+    qkv = torch.randn(4, 8 * 64, generator=gen)
+    qk = qkv[:, : 6 * 64].view(4, 6, 64)
+    expected = rotate(qk, rope.at(positions, torch.float32))
+    untouched = qkv[:, 6 * 64:].clone()
+    cpu_kernels.rope_(qk, *rope.at(positions, torch.float32))
+    torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
+
+
+def test_kernels_refuse_inputs_they_cannot_read():
+    cache = torch.zeros(4, LAYERS, 2, 2, BLOCK, 8)
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.paged_decode(cache, q, torch.empty_like(q), torch.arange(2, dtype=torch.int32),
+                                 torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 0, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.paged_decode(cache, q.transpose(1, 2).contiguous().transpose(1, 2), torch.empty_like(q),
+                                 torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long),
+                                 0, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.paged_decode(cache, q.double(), torch.empty_like(q), torch.arange(2),
+                                 torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 0, 1.0)
+    with pytest.raises(ValueError, match="match the cache"):
+        cpu_kernels.write_kv(cache, torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8), torch.zeros(1),
+                             torch.zeros(1), 0)
+
+
+def test_without_a_compiler_kernel_is_refused_and_auto_says_why(tmp_path):
+    """A fresh kernel cache and no compiler on PATH: 'kernel' is a clear error, 'auto' warns and
+    decodes through gathered pages, with the same tokens."""
+    script = """
+import torch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model import cpu_kernels
+from pdserve.model.loader import load_model
+print("WHY", cpu_kernels.available(torch.float32))
+tiny = load_model("tiny")
+try:
+    LLMEngine(tiny, EngineConfig(num_blocks=64, attention_backend="kernel"))
+except ValueError as e:
+    print("REFUSED", e)
+engine = LLMEngine(tiny, EngineConfig(num_blocks=64))
+print("BACKEND", engine.runner.attention_backend)
+print("TOKENS", engine.generate([[5, 6, 7] * 11], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
+"""
+    env = {**os.environ, "PATH": str(tmp_path), "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    env.pop("CC", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0].isupper())
+    assert lines["WHY"].startswith("no C compiler found")
+    assert "attention_backend 'kernel' is unavailable: no C compiler found" in lines["REFUSED"]
+    assert lines["BACKEND"] == "torch"
+    assert "falls back to gathered pages" in done.stdout + done.stderr
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.model.loader import load_model
+
+    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64, attention_backend="kernel"))
+    expected = engine.generate([[5, 6, 7] * 11], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    assert lines["TOKENS"] == str(expected)
+
+
+def test_unknown_attention_backend_is_refused():
+    from pdserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, kernel, torch"):
+        EngineConfig(attention_backend="cuda")
