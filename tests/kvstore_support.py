@@ -75,11 +75,12 @@ class LocalClient:
                 await self.client.close()
         return asyncio.run(go())
 
-    def put(self, seed: int, indices: list[int]):
+    def put(self, seed: int, indices: list[int], writer_keeps_copy: bool = False):
         for j, i in enumerate(indices):
             self.buf.block(j).copy_(block_data(seed, i))
         hashes = [block_hash(seed, i) for i in indices]
-        return self.call(StoreClient.put, hashes, [self.buf.addr(j) for j in range(len(indices))])
+        return self.call(StoreClient.put, hashes, [self.buf.addr(j) for j in range(len(indices))],
+                         writer_keeps_copy=writer_keeps_copy)
 
     def stats(self):
         return self.call(StoreClient.stats)

@@ -71,6 +71,41 @@ def test_eviction_demotion_and_promotion_order(small_store, shared_redis_url, ke
     assert [t.promotions for t in s.tiers] == [1, 0] and s.hits == 1
 
 
+@pytest.mark.parametrize("offloaded_later", [False, True])
+def test_copies_their_writer_keeps_are_evicted_first(shared_redis_url, key_prefix, offloaded_later):
+    """Handoff copies (writer_keeps_copy) go to the cold end of the LRU once unpinned; an offload
+    of the same blocks (a plain put) makes them the most recent again."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4, lease_ms=1000)
+    try:
+        c = LocalClient(store.address)
+        c.put(1, [0, 1, 2, 3])  # device: A0 A1 A2 A3
+        c.put(2, [0, 1], writer_keeps_copy=True)  # A0 A1 demote to DRAM; device, coldest first: D1 D0 A2 A3
+        if offloaded_later:
+            assert c.put(2, [0, 1]).present == 2  # nothing to write: just kept, most recent now
+        c.put(1, [4, 5, 6, 7])  # two blocks must leave the store
+        if offloaded_later:
+            want = {(1, 0): None, (1, 1): None, (2, 0): "dram", (2, 1): "dram"}
+        else:
+            want = {(1, 0): "dram", (1, 1): "dram", (2, 0): None, (2, 1): None}
+        got = {(seed, i): tiers_in_redis(shared_redis_url, key_prefix, seed, [i], expect={i: tier})[i]
+               for (seed, i), tier in want.items()}
+        assert got == want
+        assert tiers_in_redis(shared_redis_url, key_prefix, 1, [2, 3, 4, 5, 6, 7]) == {
+            2: "dram", 3: "dram", 4: "device", 5: "device", 6: "device", 7: "device"}
+    finally:
+        store.stop()
+
+
+def test_making_room_never_evicts_blocks_of_the_same_put(small_store, shared_redis_url, key_prefix):
+    c = LocalClient(small_store.address)
+    c.put(1, [0, 1, 2, 3])
+    c.put(1, [4, 5, 6, 7])  # full: 0 1 2 3 demoted to DRAM, 0 its least recently used
+    put = c.put(1, [0, 8])  # 8 takes 4's device slot, 4 needs DRAM room: 0 is in this put, so 1 goes
+    assert (put.written, put.present) == (1, 1)
+    want = {0: "dram", 1: None, 4: "dram", 8: "device"}
+    assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
+
+
 def test_pinned_blocks_survive_and_full_store_refuses(small_store):
     c = LocalClient(small_store.address)
     c.put(2, [0, 1, 2, 3])

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> None:
         for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
             spec = DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
                               worker_cache_tokens=args.worker_cache_tokens, store_cache_tokens=args.store_cache_tokens,
-                              threads=args.threads)
+                              decode_kv_tokens=args.decode_kv_tokens,
+                              threads=args.threads, extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
             runs.append(run_config(spec, reqs, args))
     capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
     doc = {"workload": args.workload, "machine": machine(), "runs": runs,
@@ -139,8 +140,11 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: the workload's times)")
     p.add_argument("--rates", default="", help="comma-separated rates to sweep per configuration (goodput)")
     p.add_argument("--worker-cache-tokens", type=int, default=65536)
+    p.add_argument("--decode-kv-tokens", type=int, default=65536, help="disagg: KV pages per decode worker, in tokens")
     p.add_argument("--store-cache-tokens", type=int, default=262144)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--offload-blocks", type=int, default=256,
+                   help="prefill workers' staging pages for evicted blocks on their way to the store (0: off)")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -18,6 +18,7 @@ class DeploySpec:
     prefill: int = 1
     decode: int = 1
     worker_cache_tokens: int = 65536  # KV pages per worker, in tokens (bounds each worker's prefix cache)
+    decode_kv_tokens: int = 65536  # disagg: KV pages per decode worker, in tokens (room for running requests)
     store_cache_tokens: int = 262144  # store device + DRAM capacity, in tokens
     block_size: int = 16
     block_nbytes: int = 65536  # tiny model KV per block (fp32, block 16)
@@ -60,12 +61,15 @@ class Deployment:
                                          "--device-bytes", str(device * s.block_nbytes),
                                          "--dram-bytes", str((store_blocks - device) * s.block_nbytes)))
         store.start()
-        worker = [*common, "--store", store.address, "--num-blocks", str(s.worker_cache_tokens // s.block_size),
-                  "--threads", str(s.threads), "--heartbeat-s", "0.5", *s.extra_worker_flags]
-        roles = [("prefill", s.prefill), ("decode", s.decode)] if s.mode == "disagg" else [("decode",
-                                                                                             s.prefill + s.decode)]
-        workers = [self._add(ServiceProcess(f"services.{role}", *worker, name=f"{role}-{i}"))
-                   for role, n in roles for i in range(n)]
+        worker = [*common, "--store", store.address, "--threads", str(s.threads), "--heartbeat-s", "0.5",
+                  *s.extra_worker_flags]
+        cache = str(s.worker_cache_tokens // s.block_size)
+        if s.mode == "disagg":
+            roles = [("prefill", s.prefill, cache), ("decode", s.decode, str(s.decode_kv_tokens // s.block_size))]
+        else:
+            roles = [("decode", s.prefill + s.decode, cache)]
+        workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages, name=f"{role}-{i}"))
+                   for role, n, pages in roles for i in range(n)]
         for w in workers:
             w.spawn()
         for w in workers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from pdserve.kv.hashing import BlockHash
 
@@ -11,7 +12,8 @@ class BlockPool:
     """Owns every page's ref count and hash. Owned by the scheduler alone.
 
     A page is in exactly one of: in use (ref_count > 0), evictable (ref_count 0 but still
-    holding a cached block, LRU order), or free (ref_count 0, no hash).
+    holding a cached block, LRU order), or free (ref_count 0, no hash). `on_evict(page, hash)`,
+    when set, is told of each cached block just before its page is reused: the page still holds it.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
@@ -24,6 +26,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
         self._block_hash: dict[int, BlockHash] = {}
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,7 +52,10 @@ class BlockPool:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)  # least recently used
-                del self._hash_to_block[self._block_hash.pop(block_id)]
+                block_hash = self._block_hash.pop(block_id)
+                del self._hash_to_block[block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block_hash)
             self.ref_counts[block_id] = 1
             out.append(block_id)
         return out

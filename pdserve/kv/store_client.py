@@ -105,10 +105,11 @@ class StoreClient:
 
     # -- transfer-engine path ---------------------------------------------------------------
     async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
-                       lease_ms: int = 0) -> Allocation:
+                       lease_ms: int = 0, writer_keeps_copy: bool = False) -> Allocation:
+        """writer_keeps_copy: these blocks stay in our own cache too (see AllocatePutRequest)."""
         resp = await self.stub.AllocatePut(pb.AllocatePutRequest(
             profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id), timeout=self.timeout_s)
+            request_id=request_id, writer_keeps_copy=writer_keeps_copy), timeout=self.timeout_s)
         return Allocation(resp.lease_id, slots_from_pb(resp.slots))
 
     async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
@@ -122,9 +123,10 @@ class StoreClient:
                                                              tail_ttl_ms=tail_ttl_ms), timeout=self.timeout_s)
 
     async def put(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
-                  request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0) -> PutResult:
+                  request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0,
+                  writer_keeps_copy: bool = False) -> PutResult:
         """Allocate, write, commit. On failure the lease is released, so nothing is stranded."""
-        alloc = await self.allocate(hashes, tail_key, request_id, lease_ms)
+        alloc = await self.allocate(hashes, tail_key, request_id, lease_ms, writer_keeps_copy)
         try:
             slices = await self.write(alloc.slots, local_addrs)
             await self.commit(alloc.lease_id, tail_ttl_ms=tail_ttl_ms)

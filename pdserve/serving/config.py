@@ -28,6 +28,8 @@ class WorkerConfig:
     store_timeout_ms: int = field(5000, "deadline of each store call")
     lease_ms: int = field(10_000, "store lease length for this worker's reads and writes")
     tail_ttl_ms: int = field(30_000, "how long a request's partial last block stays in the store")
+    offload_blocks: int = field(256, "prefill: staging pages for blocks its prefix cache evicts, on their way "
+                                     "to the store (0: evicted blocks are dropped)")
     prefill_timeout_ms: int = field(4000, "decode: fail with UNAVAILABLE when prefill is silent this long")
     redis_url: str = field("redis://127.0.0.1:6379/0", "Redis for registration and the prefix index")
     key_prefix: str = field("pdserve", "prefix of every Redis key")
@@ -43,3 +45,5 @@ class WorkerConfig:
                      "lease_ms", "tail_ttl_ms", "prefill_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.offload_blocks < 0:
+            raise ValueError(f"offload_blocks must be >= 0, got {self.offload_blocks}")

@@ -71,18 +71,20 @@ class InfoResponse(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
-    __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id")
+    __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_KEEPS_COPY_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tail_key: str
     lease_ms: int
     request_id: str
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    writer_keeps_copy: bool
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_keeps_copy: _Optional[bool] = ...) -> None: ...
 
 class AllocatePutResponse(_message.Message):
     __slots__ = ("lease_id", "slots", "lease_deadline_unix_ms")
@@ -247,7 +249,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "capacity_bytes", "used_blocks", "pinned_blocks", "hits", "evictions", "promotions")
+    __slots__ = ("tier", "capacity_blocks", "capacity_bytes", "used_blocks", "pinned_blocks", "hits", "evictions", "promotions", "duplicate_blocks")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +258,7 @@ class TierStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_blocks: int
     capacity_bytes: int
@@ -264,7 +267,8 @@ class TierStats(_message.Message):
     hits: int
     evictions: int
     promotions: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
+    duplicate_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., duplicate_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,6 +28,37 @@ class Entry:
     tail_held: bool = False  # a committed tail is pinned by its TTL until tail_expires
     tail_expires: float = 0.0
     promote_on_release: bool = False
+    # Its writer keeps a copy in its own cache: when unpinned it goes to the LRU's cold end (the
+    # first to evict), not the recent one; an offload of the same block clears this.
+    duplicate: bool = False
+
+
+class EvictionOrder:
+    """One tier's committed, unpinned, non-tail blocks in the order they would be evicted: first
+    the copies their writers keep in their own caches (oldest first), then the rest, least
+    recently used first."""
+
+    def __init__(self) -> None:
+        self._copies: OrderedDict[bytes, None] = OrderedDict()
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._copies) + len(self._lru)
+
+    def add(self, entry: Entry) -> None:
+        (self._copies if entry.duplicate else self._lru)[entry.key] = None
+
+    def discard(self, key: bytes) -> None:
+        self._copies.pop(key, None)
+        self._lru.pop(key, None)
+
+    def touch(self, key: bytes) -> None:
+        """Most recently used now (a copy stays in the copies' order)."""
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def pop_first(self) -> bytes:
+        return (self._copies or self._lru).popitem(last=False)[0]
 
 
 class SlotRef(NamedTuple):  # one per block per call: a tuple builds fastest

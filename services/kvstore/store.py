@@ -4,7 +4,8 @@ Single-threaded by design: only the server's event loop calls it, so it needs no
 Invariants:
 - an entry is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
   and (for a per-request tail) until its TTL lapses; pinned entries are never evicted;
-- a tier's `evictable` LRU holds exactly its committed, unpinned, non-tail entries;
+- a tier's `evictable` order holds exactly its committed, unpinned, non-tail entries: first the
+  copies their writers keep (oldest first), then the rest (least recently used first);
 - eviction from the device tier demotes to DRAM (dropping DRAM's LRU to make room, or dropping
   the block itself when DRAM is all pinned); eviction from DRAM drops;
 - a DRAM hit is served from DRAM and promoted to the device tier when its last reader releases.
@@ -18,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, Lease, SlotRef, SlotState, Watcher
+from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, Lease, SlotRef, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.memory import TierMemory, copy_slot
 
@@ -37,7 +38,7 @@ class BlockStore:
         self.index = index or NullIndexSink()
         self.clock = clock
         self.entries: dict[bytes, Entry] = {}
-        self.evictable: dict[str, OrderedDict[bytes, None]] = {DEVICE: OrderedDict(), DRAM: OrderedDict()}
+        self.evictable: dict[str, EvictionOrder] = {DEVICE: EvictionOrder(), DRAM: EvictionOrder()}
         self.leases: dict[str, Lease] = {}
         self._closed_leases: OrderedDict[str, None] = OrderedDict()  # for idempotent commits
         self.watchers: dict[bytes, list[Watcher]] = {}
@@ -58,7 +59,7 @@ class BlockStore:
 
     def _pin(self, entry: Entry) -> None:
         if entry.pins == 0:
-            self.evictable[entry.tier].pop(entry.key, None)
+            self.evictable[entry.tier].discard(entry.key)
         entry.pins += 1
 
     def _unpin(self, entry: Entry) -> None:
@@ -67,31 +68,35 @@ class BlockStore:
         if entry.pins == 0 and entry.is_tail:
             self._drop(entry)  # a tail's TTL pin is gone and so is its last reader
         elif entry.pins == 0 and entry.committed:
-            self.evictable[entry.tier][entry.key] = None
+            self.evictable[entry.tier].add(entry)
             if entry.promote_on_release:
                 entry.promote_on_release = False
                 self._promote(entry)
 
-    def _touch(self, entry: Entry) -> None:
-        lru = self.evictable[entry.tier]
-        if entry.key in lru:
-            lru.move_to_end(entry.key)
+    def _keep(self, entry: Entry) -> None:
+        """Most recently used, and no longer a copy its writer keeps (the writer let it go)."""
+        order = self.evictable[entry.tier]
+        if entry.duplicate:
+            entry.duplicate = False
+            if entry.pins == 0 and entry.committed:
+                order.discard(entry.key)
+                order.add(entry)
+        order.touch(entry.key)
 
     def _room(self, tier: str) -> int:
         return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
 
     # -- eviction --------------------------------------------------------------------------
     def _drop(self, entry: Entry) -> None:
-        self.evictable[entry.tier].pop(entry.key, None)
+        self.evictable[entry.tier].discard(entry.key)
         self.tiers[entry.tier].allocator.free(entry.slot)
         del self.entries[entry.key]
         if not entry.is_tail and entry.committed:
             self.index.dropped(entry.key)
 
     def _free_one(self, tier: str) -> None:
-        """Make one slot free in `tier` by evicting its least recently used unpinned block."""
-        key, _ = self.evictable[tier].popitem(last=False)
-        entry = self.entries[key]
+        """Make one slot free in `tier` by evicting its first unpinned block (see EvictionOrder)."""
+        entry = self.entries[self.evictable[tier].pop_first()]
         self.counters.evictions[tier] += 1
         if tier == DEVICE and self._room(DRAM) > 0:
             self._move(entry, DRAM)  # demote
@@ -108,10 +113,10 @@ class BlockStore:
         [slot] = self._take_slots(tier, 1)
         copy_slot(self.tiers[entry.tier], entry.slot, self.tiers[tier], slot)
         self.tiers[entry.tier].allocator.free(entry.slot)
-        self.evictable[entry.tier].pop(entry.key, None)
+        self.evictable[entry.tier].discard(entry.key)
         entry.tier, entry.slot = tier, slot
         if entry.pins == 0 and entry.committed and not entry.is_tail:
-            self.evictable[tier][entry.key] = None
+            self.evictable[tier].add(entry)
         self.index.moved(entry.key, tier)
 
     def _promote(self, entry: Entry) -> None:
@@ -121,16 +126,16 @@ class BlockStore:
         if self.tiers[DEVICE].allocator.num_free > 0:
             self._move(entry, DEVICE)
             return
-        # Device full: swap with its least recently used block, which takes our DRAM slot.
-        victim = self.entries[self.evictable[DEVICE].popitem(last=False)[0]]
-        self.evictable[DRAM].pop(entry.key)
+        # Device full: swap with its first to evict, which takes our DRAM slot.
+        victim = self.entries[self.evictable[DEVICE].pop_first()]
+        self.evictable[DRAM].discard(entry.key)
         device, dram = self.tiers[DEVICE], self.tiers[DRAM]
         ours = dram.view(entry.slot).clone()
         copy_slot(device, victim.slot, dram, entry.slot)
         device.view(victim.slot).copy_(ours)
         entry.tier, entry.slot, victim.tier, victim.slot = DEVICE, victim.slot, DRAM, entry.slot
-        self.evictable[DEVICE][entry.key] = None
-        self.evictable[DRAM][victim.key] = None
+        self.evictable[DEVICE].add(entry)
+        self.evictable[DRAM].add(victim)
         self.counters.evictions[DEVICE] += 1
         self.index.moved(entry.key, DEVICE)
         self.index.moved(victim.key, DRAM)
@@ -149,13 +154,27 @@ class BlockStore:
 
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
-                     request_id: str) -> tuple[Lease, list[SlotRef]]:
+                     request_id: str, writer_keeps_copy: bool = False) -> tuple[Lease, list[SlotRef]]:
+        """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING.
+
+        writer_keeps_copy: new blocks are copies of the writer's cache, evicted before any other
+        block (oldest copies first). Otherwise (an offload, or any other put) new blocks and
+        blocks already here are the most recently used, and no longer copies: the writer let go.
+        Either way the blocks already here count as used now."""
         if tail_key is not None and tail_key in self.entries:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
         if len(set(hashes)) != len(hashes):
             raise InvalidArgument("block hashes repeat within one put")
         new_keys = [h for h in hashes if h not in self.entries] + ([tail_key] if tail_key is not None else [])
-        placed = dict(zip(new_keys, self._allocate(len(new_keys)), strict=True))
+        # Making room must not evict the blocks of this very put that are already here.
+        present = [self.entries[h] for h in hashes if h in self.entries]
+        for entry in present:
+            self._pin(entry)
+        try:
+            placed = dict(zip(new_keys, self._allocate(len(new_keys)), strict=True))
+        finally:
+            for entry in present:
+                self._unpin(entry)
         lease = self._new_lease("write", lease_ms, request_id)
         lease.all_keys = {*hashes, *([tail_key] if tail_key is not None else [])}
         refs = []
@@ -163,12 +182,14 @@ class BlockStore:
             entry = self.entries.get(key)
             if key in placed:
                 tier, slot = placed[key]
-                entry = self.entries[key] = Entry(key, tier, slot, is_tail=key == tail_key)
+                entry = self.entries[key] = Entry(key, tier, slot, is_tail=key == tail_key,
+                                                  duplicate=writer_keeps_copy)
                 self._pin(entry)
                 lease.pinned.append(key)
                 refs.append(self.slot_ref(entry, SlotState.WRITE))
             elif entry.committed:
-                self._touch(entry)
+                if not writer_keeps_copy:
+                    self._keep(entry)
                 refs.append(self.slot_ref(entry, SlotState.PRESENT))
             else:
                 refs.append(self.slot_ref(entry, SlotState.PENDING))
@@ -352,6 +373,7 @@ class BlockStore:
             "pinned_blocks": sum(1 for e in in_tier if e.pins > 0),
             "hits": self.counters.tier_hits[tier],
             "evictions": self.counters.evictions[tier],
+            "duplicate_blocks": sum(1 for e in in_tier if e.duplicate),
         }
 
     def committed_blocks(self) -> list[tuple[bytes, str]]:

@@ -3,10 +3,18 @@
 from pdserve.engine.config import Role
 from pdserve.serving.main import serve_worker
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from services.prefill.offloader import Offloader
 from services.prefill.prefiller import Prefiller
 from services.prefill.servicer import PrefillServicer
 
+
+def make_servicer(worker) -> PrefillServicer:
+    offloader = Offloader(worker, worker.cfg.offload_blocks)
+    offloader.start()
+    return PrefillServicer(worker, Prefiller(worker))
+
+
 if __name__ == "__main__":
-    serve_worker(Role.PREFILL, lambda w: PrefillServicer(w, Prefiller(w)),
+    serve_worker(Role.PREFILL, make_servicer,
                  prefill_pb2_grpc.add_PrefillServicer_to_server,
                  prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)

@@ -89,7 +89,7 @@ class Prefiller:
             await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
             t_loaded = time.perf_counter()
             tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
-            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms)
+            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms, writer_keeps_copy=True)
             renewal = w.store.keep_alive(alloc.lease_id, w.cfg.lease_ms)
             pages = res.block_table[: n_full + (1 if tail_key else 0)]
             shipped, write_s, checksums = 0, 0.0, []
