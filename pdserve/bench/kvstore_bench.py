@@ -118,13 +118,16 @@ async def _bench_layout(name: str, profile: HashProfile, tokens: list[int], args
         await client.connect()
         local = torch.randint(0, 256, (max_blocks * lay.block_nbytes,), dtype=torch.uint8)
         transfer.register(local)
-        rows = []
-        for t in tokens:
-            n = t // lay.block_size
-            repeats = _repeats(args, n * lay.block_nbytes)
-            row = {"layout": name, "tokens": t, "block_nbytes": lay.block_nbytes,
-                   **await _measure(client, transfer, local, n, repeats)}
-            rows.append(row)
+        try:
+            rows = []
+            for t in tokens:
+                n = t // lay.block_size
+                repeats = _repeats(args, n * lay.block_nbytes)
+                row = {"layout": name, "tokens": t, "block_nbytes": lay.block_nbytes,
+                       **await _measure(client, transfer, local, n, repeats)}
+                rows.append(row)
+        finally:
+            transfer.unregister(local)
         await client.close()
         return rows
     finally:

@@ -61,6 +61,12 @@ class Transfer:
             raise TransferError(f"register_memory({nbytes} bytes) failed: rc={rc}")
         self._registered.append((ptr, nbytes))
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Before freeing it: a later buffer at an overlapping address could not be registered."""
+        ptr = tensor.data_ptr()
+        self.engine.unregister_memory(ptr)
+        self._registered = [(p, n) for p, n in self._registered if p != ptr]
+
     def unregister_all(self) -> None:
         for ptr, _ in self._registered:
             self.engine.unregister_memory(ptr)
