@@ -74,3 +74,39 @@ def test_decode_waits_for_a_queued_prefill_as_long_as_it_was_routed_to():
     queued = Route(None, None, "cache_aware", 0, 0, estimated_ttft_ms=9000.0, route_ms=0.5)
     assert Router.prefill_silence_ms(router, idle) == 4240
     assert Router.prefill_silence_ms(router, queued) == 22000
+
+
+def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared_redis_url, key_prefix):
+    """Real Redis, the router's Lua look-up: worker runs, the store's leading run, and the
+    store's run right after each worker's run (a chain split between a cache and the store)."""
+    import asyncio
+
+    import redis as sync_redis
+    import redis.asyncio as aioredis
+
+    from pdserve.redis_keys import RedisKeys
+    from services.router.prefix_index import PrefixIndex
+
+    keys = RedisKeys(key_prefix)
+    chain = [bytes([i]) * 16 for i in range(1, 41)]
+    r = sync_redis.Redis.from_url(shared_redis_url)
+    try:
+        r.sadd(keys.worker_index("a"), *[h.hex() for h in chain[:12]])  # a: blocks 0-11
+        r.sadd(keys.worker_index("b"), *[h.hex() for h in chain[:3]])  # b: 0-2
+        # The store: blocks 12-29 (what a evicted, tail first), and 0-1.
+        r.hset(keys.store_index(), mapping={h.hex(): "dram" for h in chain[12:30] + chain[:2]})
+
+        async def lookup():
+            client = aioredis.Redis.from_url(shared_redis_url)
+            try:
+                return await PrefixIndex(client, keys).lookup(chain, ["a", "b", "c"])
+            finally:
+                await client.aclose()
+
+        hits = asyncio.run(lookup())
+        assert hits.worker_blocks == {"a": 12, "b": 3, "c": 0}
+        assert hits.store_blocks == 2
+        assert hits.store_after == {"a": 18, "b": 0, "c": 2}
+        assert [hits.store_tokens_for(w, 16) for w in "abc"] == [30 * 16, 3 * 16, 2 * 16]
+    finally:
+        r.delete(keys.worker_index("a"), keys.worker_index("b"), keys.store_index())

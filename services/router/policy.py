@@ -19,6 +19,7 @@ class PrefillCandidate:
     queued_tokens: int
     local_hit_tokens: int
     inflight: int
+    store_hit_tokens: int | None = None  # leading tokens it can load (own run + store); None: the pool-wide figure
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: 
         float, int, int]:
     """(estimate, tokens P reuses from its own cache, tokens it fetches from the store)."""
     local = min(c.local_hit_tokens, prompt_tokens - 1)
+    if c.store_hit_tokens is not None:
+        store_hit_tokens = c.store_hit_tokens
     fetched = max(0, min(store_hit_tokens, prompt_tokens - 1) - local)
     uncached = prompt_tokens - local - fetched
     queue_ms = c.queued_tokens * coef.prefill_ms_per_token

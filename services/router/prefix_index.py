@@ -3,7 +3,7 @@ and the hit-rate counters, per worker and for the store, in time windows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -14,32 +14,64 @@ from pdserve.redis_keys import KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 class PrefixHits:
     worker_blocks: dict[str, int]  # leading blocks of the chain each prefill worker caches
     store_blocks: int  # leading blocks of the chain the store holds
+    # Blocks the store holds right after each worker's own run: caches evict a chain's tail
+    # first and the store keeps what they evict, so a chain is often split between the two.
+    store_after: dict[str, int] = field(default_factory=dict)
+
+    def store_tokens_for(self, worker_id: str, block_size: int) -> int:
+        """Leading prompt tokens that worker can have without computing: its own run and the
+        store's continuation of it, or the store's leading run, whichever is longer."""
+        own = self.worker_blocks.get(worker_id, 0) + self.store_after.get(worker_id, 0)
+        return max(self.store_blocks, own) * block_size
 
 
 # KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV[1]: the chain
 # as one string of 32-character hex hashes (one argument instead of n: much less to encode).
-# Returns, per key, how many leading hashes of the chain it holds. Caches hold chains prefix-closed
-# (a block is cached only after its parent; eviction takes tails first), so presence is monotone
-# along the chain and a binary search needs ~log2(n) look-ups per key instead of n (one, for a key
-# that lacks the chain's first block).
+# Returns, per worker key, how many leading hashes of the chain it holds; then the store's leading
+# run; then, per worker key, how many hashes the store holds right after that worker's run.
+# A worker's cache holds chains prefix-closed (a block is cached only after its parent; eviction
+# takes tails first), so its presence is monotone along the chain and a binary search needs
+# ~log2(n) look-ups (one, for a worker lacking the first block). The store holds both chain heads
+# and the tails workers evicted, with gaps between: it is scanned, stopping at the first miss,
+# and each start position is scanned once.
 _LEADING_RUNS = """
-local out = {}
 local chain = ARGV[1]
 local n = #chain / 32
-for k = 1, #KEYS do
-  local is_hash = (k == #KEYS)
-  local function has(i)
-    local h = string.sub(chain, (i - 1) * 32 + 1, i * 32)
-    if is_hash then return redis.call('HEXISTS', KEYS[k], h) == 1 end
-    return redis.call('SISMEMBER', KEYS[k], h) == 1
-  end
-  local lo, hi = 0, n  -- invariant: the first lo are present; none beyond hi
-  if n > 0 and not has(1) then hi = 0 end  -- most keys hold none of the chain: one look-up
+local store = KEYS[#KEYS]
+local function has(key, i)
+  local h = string.sub(chain, (i - 1) * 32 + 1, i * 32)
+  if key == store then return redis.call('HEXISTS', key, h) == 1 end
+  return redis.call('SISMEMBER', key, h) == 1
+end
+local function leading(key)
+  if n == 0 or not has(key, 1) then return 0 end
+  local lo, hi = 1, n  -- invariant: 1..lo present; none beyond hi
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
-    if has(mid) then lo = mid else hi = mid - 1 end
+    if has(key, mid) then lo = mid else hi = mid - 1 end
   end
-  out[k] = lo
+  return lo
+end
+local function scan(start)
+  local i = start
+  while i <= n and has(store, i) do i = i + 1 end
+  return i - start
+end
+local out = {}
+for k = 1, #KEYS - 1 do out[k] = leading(KEYS[k]) end
+local lead = scan(1)
+out[#KEYS] = lead
+local after = {}
+for k = 1, #KEYS - 1 do
+  local run = out[k]
+  if run < lead then
+    out[#KEYS + k] = lead - run
+  elseif run == lead then
+    out[#KEYS + k] = 0  -- the lead scan stopped at run + 1
+  else
+    if after[run] == nil then after[run] = scan(run + 1) end
+    out[#KEYS + k] = after[run]
+  end
 end
 return out
 """
@@ -57,7 +89,9 @@ class PrefixIndex:
             return PrefixHits({w: 0 for w in worker_ids}, 0)
         keys = [self.keys.worker_index(w) for w in worker_ids] + [self.keys.store_index()]
         counts = await self._script(keys=keys, args=[b"".join(hashes).hex()])
-        return PrefixHits(dict(zip(worker_ids, counts[:-1], strict=True)), counts[-1])
+        w = len(worker_ids)
+        return PrefixHits(dict(zip(worker_ids, counts[:w], strict=True)), counts[w],
+                          dict(zip(worker_ids, counts[w + 1:], strict=True)))
 
     async def record(self, scope: str, lookup_tokens: int, expected_hit_tokens: int, hit_tokens: int) -> None:
         key = self.keys.hits(scope, window_start())

@@ -124,6 +124,7 @@ class Router:
                 f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy); retry in a few seconds")
         decode = self.pool.workers[dchoice.worker_id]
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
+        loadable = {w.worker_id: hits.store_tokens_for(w.worker_id, bs) for w in prefills}  # Redis's view
         if self.policy.name == "cache_aware" and self.pool.redis_ok:
             for w in prefills:
                 recent = self.recent.leading(w.worker_id, hashes)
@@ -132,7 +133,8 @@ class Router:
         if prefills:
             # Queue: the heartbeat's figure is up to a beat old; what this router sent since is certain.
             pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
-                                       hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight) for w in prefills]
+                                       hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight,
+                                       loadable[w.worker_id]) for w in prefills]
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         if not prefills or uncached < self.cfg.colocate_below_tokens:
