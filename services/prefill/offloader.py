@@ -59,6 +59,9 @@ class Offloader:
         with self._lock:
             if not self._free:
                 self.dropped += 1
+                if self.dropped % 1000 == 1:
+                    log.warning("evicted blocks dropped: every staging page is in flight to the store "
+                                "(raise --offload-blocks)", dropped=self.dropped)
                 return
             slot = self._free.popleft()
         self.staging[slot].copy_(self.cache[page])
