@@ -110,3 +110,13 @@ def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared
         assert [hits.store_tokens_for(w, 16) for w in "abc"] == [30 * 16, 3 * 16, 2 * 16]
     finally:
         r.delete(keys.worker_index("a"), keys.worker_index("b"), keys.store_index())
+
+
+def test_a_routed_prompt_queues_only_the_tokens_it_computes():
+    """The router's own queue figure for a worker must not count reused tokens as work: a worker
+    that holds a popular prefix would look busy and lose the requests that reuse it."""
+    from services.router.router import Route
+
+    assert Route(None, None, "cache_aware", 700, 200, 0.0, 0.0).queued_tokens(1000) == 100
+    assert Route(None, None, "cache_aware", 0, 0, 0.0, 0.0).queued_tokens(1000) == 1000
+    assert Route(None, None, "cache_aware", 999, 0, 0.0, 0.0).queued_tokens(1000) == 1

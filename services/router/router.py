@@ -40,6 +40,11 @@ class Route:
     estimated_ttft_ms: float
     route_ms: float
 
+    def queued_tokens(self, prompt_tokens: int) -> int:
+        """What this request adds to its prefill worker's queue: the tokens it is expected to
+        compute, not those it reuses (the worker's own queue figure counts the same way)."""
+        return max(1, prompt_tokens - self.expected_local_tokens - self.expected_store_tokens)
+
 
 @dataclass(frozen=True)
 class TokenOut:
@@ -174,14 +179,15 @@ class Router:
         for w in workers:
             w.inflight += 1
         prefill_pending = route.prefill is not None
+        queued = route.queued_tokens(len(ids))
         if prefill_pending:
-            route.prefill.inflight_tokens += len(ids)
+            route.prefill.inflight_tokens += queued
         last = None
         try:
             async for item in self._dispatch(request_id, ids, params, route, summary):
                 now = time.perf_counter()
                 if item.index == 0 and prefill_pending:
-                    route.prefill.inflight_tokens -= len(ids)
+                    route.prefill.inflight_tokens -= queued
                     prefill_pending = False
                 if item.index == 0:
                     summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
@@ -204,7 +210,7 @@ class Router:
             for w in workers:
                 w.inflight -= 1
             if prefill_pending:
-                route.prefill.inflight_tokens -= len(ids)
+                route.prefill.inflight_tokens -= queued
         total = (time.perf_counter() - t0) * 1e3
         summary.timings_ms["total_ms"] = total
         if summary.completion_tokens > 1:

@@ -38,7 +38,7 @@ class WorkerView:
     stub: object = None
     health: object = None
     inflight: int = 0  # requests this router has on it now
-    inflight_tokens: int = 0  # prompt tokens this router sent to it whose prefill has not returned yet
+    inflight_tokens: int = 0  # tokens to compute, of prompts this router sent it whose prefill has not returned
 
     @property
     def usable(self) -> bool:
