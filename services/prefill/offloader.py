@@ -38,7 +38,6 @@ class Offloader:
         self._lock = threading.Lock()  # the engine thread stages, the event loop sends
         self._free: deque[int] = deque(range(staging_blocks))
         self._queued: deque[tuple[BlockHash, int]] = deque()
-        self.saved = 0  # blocks the store did not hold and now does
         self.dropped = 0  # evicted with no staging page free, or the store refused them
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -66,8 +65,10 @@ class Offloader:
             slot = self._free.popleft()
         self.staging[slot].copy_(self.cache[page])
         with self._lock:
+            idle = not self._queued  # otherwise the sender has yet to drain the queue: no wake-up needed
             self._queued.append((block_hash, slot))
-        self._loop.call_soon_threadsafe(self._wake.set)
+        if idle:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     async def _run(self) -> None:
         while True:
@@ -95,11 +96,10 @@ class Offloader:
             try:
                 base = self.staging.data_ptr()
                 await store.write(alloc.slots, [base + slots[i] * self.block_nbytes for i in keep])
-                done = await store.commit(alloc.lease_id)
+                await store.commit(alloc.lease_id)
             except BaseException:
                 await asyncio.shield(store._release_quietly(alloc.lease_id))
                 raise
-            self.saved += done.committed
         except (grpc.aio.AioRpcError, TransferError, OSError) as e:
             self.dropped += len(batch)
             log.warning("offload to the store failed; these evicted blocks are lost", blocks=len(batch),
