@@ -87,7 +87,7 @@ def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
                  "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "route_ms": t.queue_ms},
         route={"prefill": r.prefill_worker, "decode": r.decode_worker, "policy": r.policy,
                "colocated": r.colocated, "expected_hit_tokens": r.expected_hit_tokens,
-               "estimated_ttft_ms": r.estimated_ttft_ms})
+               "estimated_ttft_ms": r.estimated_ttft_ms, "best_hit_tokens": r.best_hit_tokens})
 
 
 def _error(e: grpc.RpcError) -> errors.PdserveError:

@@ -87,6 +87,10 @@ def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
         assert set(doc["sweep"]) == {"4.0", "8.0"} and "goodput_rps" in doc and doc["targets"] == []
         full = json.loads((tmp_path / "serve.json").read_text())
         assert len(full["records"]) == 6 and all(r["ok"] and r["output_tokens"] == 16 for r in full["records"])
+        # One prefill worker: the best-placed worker is the one chosen, and the shared prefix was expected.
+        recs = full["records"]
+        assert [r["best_hit_tokens"] for r in recs] == [r["expected_hit_tokens"] for r in recs]
+        assert sum(r["expected_hit_tokens"] for r in recs) > 0
         report = (tmp_path / "report.md").read_text()
         assert "| ttft_ms |" in report and "Goodput" in report
         pngs = ["ttft_cdf.png", "itl_cdf.png", "attainment.png"]

@@ -56,6 +56,11 @@ def test_ttft_estimate_and_choices():
                                                                                                      "p1"]
     # A full prompt hit still computes one token: the estimate never reaches zero compute.
     assert estimate_ttft_ms(idle_cached, 800, 0, coef)[1] == 799
+    # A long queue outweighs a cache hit; the choice says what it gave up.
+    busy_cached = PrefillCandidate("p2", queued_tokens=5000, local_hit_tokens=900, inflight=2)
+    idle_cold = PrefillCandidate("p3", queued_tokens=0, local_hit_tokens=0, inflight=0)
+    c = Policy("cache_aware").choose_prefill([busy_cached, idle_cold], 1000, 0, coef)
+    assert (c.worker_id, c.expected_local_tokens, c.expected_store_tokens, c.best_hit_tokens) == ("p3", 0, 0, 900)
     d = Policy.choose_decode([DecodeCandidate("d0", 10, 0), DecodeCandidate("d1", 50, 9),
                               DecodeCandidate("d2", 50, 2)], blocks_needed=20)
     assert d.worker_id == "d2" and Policy.choose_decode([DecodeCandidate("d0", 10, 0)], 20) is None

@@ -60,6 +60,8 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.cached_store = item.usage["cached_tokens_store"]
                 rec.computed = item.usage["computed_tokens"]
                 rec.prefill_worker = item.route["prefill"]
+                rec.expected_hit_tokens = item.route["expected_hit_tokens"]
+                rec.best_hit_tokens = item.route["best_hit_tokens"]
                 rec.route_ms = item.timings["route_ms"]
         rec.e2e_ms = (time.perf_counter() - t0) * 1e3
         if rec.output_tokens > 1:

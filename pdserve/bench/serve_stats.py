@@ -27,6 +27,8 @@ class Record:
     cached_store: int = 0
     computed: int = 0
     prefill_worker: str = ""
+    expected_hit_tokens: int = 0  # what the router expected this prompt to reuse where it sent it
+    best_hit_tokens: int = 0  # what the best-placed prefill worker could have reused, per the router
     route_ms: float = math.nan  # the routing decision, measured inside the router
 
     def to_dict(self) -> dict:

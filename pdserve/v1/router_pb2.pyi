@@ -26,20 +26,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "policy", "expected_hit_tokens", "estimated_ttft_ms", "colocated")
+    __slots__ = ("prefill_worker", "decode_worker", "policy", "expected_hit_tokens", "estimated_ttft_ms", "colocated", "best_hit_tokens")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    BEST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     policy: str
     expected_hit_tokens: int
     estimated_ttft_ms: float
     colocated: bool
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., policy: _Optional[str] = ..., expected_hit_tokens: _Optional[int] = ..., estimated_ttft_ms: _Optional[float] = ..., colocated: _Optional[bool] = ...) -> None: ...
+    best_hit_tokens: int
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., policy: _Optional[str] = ..., expected_hit_tokens: _Optional[int] = ..., estimated_ttft_ms: _Optional[float] = ..., colocated: _Optional[bool] = ..., best_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
     __slots__ = ("request_id", "finish_reason", "usage", "timings", "route")

@@ -35,6 +35,7 @@ class PrefillChoice:
     estimated_ttft_ms: float
     expected_local_tokens: int
     expected_store_tokens: int
+    best_hit_tokens: int  # the most any candidate could have reused: what the choice gave up for load shows
 
 
 class Coefficients:
@@ -84,7 +85,8 @@ class Policy:
         else:
             # Ties (e.g. nothing cached anywhere, idle pool) go to the least busy, then by id.
             (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].inflight, s[1].worker_id))
-        return PrefillChoice(c.worker_id, est, local, fetched)
+        best = max(s[0][1] + s[0][2] for s in scored)
+        return PrefillChoice(c.worker_id, est, local, fetched, best)
 
     @staticmethod
     def choose_decode(cands: list[DecodeCandidate], blocks_needed: int) -> DecodeCandidate | None:

@@ -39,6 +39,7 @@ class Route:
     expected_store_tokens: int
     estimated_ttft_ms: float
     route_ms: float
+    best_hit_tokens: int = 0  # the most prompt tokens any prefill worker could have reused, per the index
 
     def queued_tokens(self, prompt_tokens: int) -> int:
         """What this request adds to its prefill worker's queue: the tokens it is expected to
@@ -150,7 +151,8 @@ class Router:
                 f"retry in about {choice.estimated_ttft_ms - self.cfg.ttft_slo_ms:.0f} ms")
         self.recent.add(choice.worker_id, hashes)
         return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
-                     choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3)
+                     choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
+                     choice.best_hit_tokens)
 
     async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
         if not self.pool.redis_ok or self.policy.name != "cache_aware":

@@ -71,4 +71,4 @@ def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
         route=router_pb2.RouteDecision(
             prefill_worker=r.prefill.address if r.prefill else "", decode_worker=r.decode.address,
             policy=r.policy, expected_hit_tokens=r.expected_local_tokens + r.expected_store_tokens,
-            estimated_ttft_ms=r.estimated_ttft_ms, colocated=r.prefill is None))
+            estimated_ttft_ms=r.estimated_ttft_ms, colocated=r.prefill is None, best_hit_tokens=r.best_hit_tokens))
