@@ -61,6 +61,21 @@ def test_ttft_estimate_and_choices():
     idle_cold = PrefillCandidate("p3", queued_tokens=0, local_hit_tokens=0, inflight=0)
     c = Policy("cache_aware").choose_prefill([busy_cached, idle_cold], 1000, 0, coef)
     assert (c.worker_id, c.expected_local_tokens, c.expected_store_tokens, c.best_hit_tokens) == ("p3", 0, 0, 900)
+
+
+def test_ties_rotate_over_the_pool_so_every_cache_fills():
+    """Prompts cached nowhere, on an idle pool, go to the worker chosen longest ago, not always
+    the first by id; a prompt with a hit still goes where its hit is."""
+    coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01)
+    cold = [PrefillCandidate(w, queued_tokens=0, local_hit_tokens=0, inflight=0) for w in ("p0", "p1", "p2")]
+    for name in ("cache_aware", "least_loaded"):
+        pol = Policy(name)
+        assert [pol.choose_prefill(cold, 100, 0, coef).worker_id for _ in range(4)] == ["p0", "p1", "p2", "p0"], name
+    pol = Policy("cache_aware")
+    assert pol.choose_prefill(cold, 100, 0, coef).worker_id == "p0"
+    warm_p0 = [PrefillCandidate("p0", 0, 64, 0), *cold[1:]]
+    assert [pol.choose_prefill(warm_p0, 100, 0, coef).worker_id for _ in range(2)] == ["p0", "p0"]
+    assert pol.choose_prefill(cold, 100, 0, coef).worker_id == "p1"
     d = Policy.choose_decode([DecodeCandidate("d0", 10, 0), DecodeCandidate("d1", 50, 9),
                               DecodeCandidate("d2", 50, 2)], blocks_needed=20)
     assert d.worker_id == "d2" and Policy.choose_decode([DecodeCandidate("d0", 10, 0)], 20) is None

@@ -69,11 +69,17 @@ def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: 
 
 
 class Policy:
-    """Owns the round-robin cursor; everything else is computed per request."""
+    """Owns the round-robin cursor and when each worker was last chosen; everything else is
+    computed per request."""
 
     def __init__(self, name: str):
         self.name = name
         self._rr = itertools.count()
+        self._turn = itertools.count()
+        self._last_chosen: dict[str, int] = {}
+
+    def _staleness(self, worker_id: str) -> int:
+        return self._last_chosen.get(worker_id, -1)
 
     def choose_prefill(self, cands: list[PrefillCandidate], prompt_tokens: int, store_hit_tokens: int,
                        coef: Coefficients) -> PrefillChoice:
@@ -81,10 +87,15 @@ class Policy:
         if self.name == "round_robin":
             (est, local, fetched), c = scored[next(self._rr) % len(scored)]
         elif self.name == "least_loaded":
-            (est, local, fetched), c = min(scored, key=lambda s: (s[1].queued_tokens + s[1].inflight, s[1].worker_id))
+            (est, local, fetched), c = min(scored, key=lambda s: (s[1].queued_tokens + s[1].inflight,
+                                                                  self._staleness(s[1].worker_id), s[1].worker_id))
         else:
-            # Ties (e.g. nothing cached anywhere, idle pool) go to the least busy, then by id.
-            (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].inflight, s[1].worker_id))
+            # Ties (e.g. a prefix cached nowhere, an idle pool) go to the least busy, then to the one
+            # chosen longest ago: new prefixes spread over every worker's cache instead of churning
+            # the first one's while the others sit empty (SGLang's router balances the same way).
+            (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].inflight,
+                                                                  self._staleness(s[1].worker_id), s[1].worker_id))
+        self._last_chosen[c.worker_id] = next(self._turn)
         best = max(s[0][1] + s[0][2] for s in scored)
         return PrefillChoice(c.worker_id, est, local, fetched, best)
 
