@@ -116,18 +116,24 @@ def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared
         # The store: blocks 12-29 (what a evicted, tail first), and 0-1.
         r.hset(keys.store_index(), mapping={h.hex(): "dram" for h in chain[12:30] + chain[:2]})
 
-        async def lookup():
+        async def lookup(hashes):
             client = aioredis.Redis.from_url(shared_redis_url)
             try:
-                return await PrefixIndex(client, keys).lookup(chain, ["a", "b", "c"])
+                return await PrefixIndex(client, keys).lookup(hashes, ["a", "b", "c"])
             finally:
                 await client.aclose()
 
-        hits = asyncio.run(lookup())
+        hits = asyncio.run(lookup(chain))
         assert hits.worker_blocks == {"a": 12, "b": 3, "c": 0}
         assert hits.store_blocks == 2
         assert hits.store_after == {"a": 18, "b": 0, "c": 2}
         assert [hits.store_tokens_for(w, 16) for w in "abc"] == [30 * 16, 3 * 16, 2 * 16]
+        # Long runs cross the scan's batches (8, 16, ... 256 fields): exact at and past their edges.
+        long = [i.to_bytes(2, "big") * 8 for i in range(1000, 1600)]
+        r.hset(keys.store_index(), mapping={h.hex(): "dram" for h in long[:255] + long[256:600]})
+        assert asyncio.run(lookup(long)).store_blocks == 255
+        assert asyncio.run(lookup(long[:248])).store_blocks == 248
+        assert asyncio.run(lookup(long[256:])).store_blocks == 344
     finally:
         r.delete(keys.worker_index("a"), keys.worker_index("b"), keys.store_index())
 

@@ -29,7 +29,9 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     elif w == "interference":
         reqs = workloads.interference(long_prompt=args.long_prompt)
     elif w == "shared-prefix":
-        reqs = workloads.shared_prefix(system_tokens=args.prefix_tokens, max_tokens=args.max_output or 16)
+        groups = 4  # as many requests per group as --max-requests asks for (8 when it is 0)
+        reqs = workloads.shared_prefix(groups, -(-args.max_requests // groups) if args.max_requests else 8,
+                                       system_tokens=args.prefix_tokens, max_tokens=args.max_output or 16)
     else:
         raise ValueError(f"unknown workload {w!r}")
     if args.max_requests:

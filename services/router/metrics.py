@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 
-BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 HELP = {
     "ttft_ms": "time to first token seen by the router",
     "tpot_ms": "time per output token after the first, per request",
     "itl_ms": "gap between consecutive tokens",
     "route_ms": "routing decision (prefix look-up in Redis + scoring)",
+    "route_lookup_ms": "the prefix look-up's round trip to Redis, part of route_ms",
 }
 
 

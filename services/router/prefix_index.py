@@ -33,7 +33,8 @@ class PrefixHits:
 # takes tails first), so its presence is monotone along the chain and a binary search needs
 # ~log2(n) look-ups (one, for a worker lacking the first block). The store holds both chain heads
 # and the tails workers evicted, with gaps between: it is scanned, stopping at the first miss,
-# and each start position is scanned once.
+# and each start position is scanned once. The scan asks HMGET for growing batches (8, 16, ... 256
+# fields): one call per field cost ~1.7 us each, 0.86 ms for a 508-block chain.
 _LEADING_RUNS = """
 local chain = ARGV[1]
 local n = #chain / 32
@@ -53,8 +54,18 @@ local function leading(key)
   return lo
 end
 local function scan(start)
-  local i = start
-  while i <= n and has(store, i) do i = i + 1 end
+  local i, step = start, 8
+  while i <= n do
+    local last = math.min(n, i + step - 1)
+    local fields = {}
+    for j = i, last do fields[#fields + 1] = string.sub(chain, (j - 1) * 32 + 1, j * 32) end
+    local vals = redis.call('HMGET', store, unpack(fields))
+    for k = 1, #vals do
+      if not vals[k] then return i + k - 1 - start end
+    end
+    i = last + 1
+    step = math.min(step * 2, 256)
+  end
   return i - start
 end
 local out = {}

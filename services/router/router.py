@@ -129,7 +129,9 @@ class Router:
             raise ResourceExhausted(
                 f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy); retry in a few seconds")
         decode = self.pool.workers[dchoice.worker_id]
+        t_lookup = time.perf_counter()
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
+        self.metrics.observe("route_lookup_ms", (time.perf_counter() - t_lookup) * 1e3)
         loadable = {w.worker_id: hits.store_tokens_for(w.worker_id, bs) for w in prefills}  # Redis's view
         if self.policy.name == "cache_aware" and self.pool.redis_ok:
             for w in prefills:
