@@ -1,4 +1,5 @@
-"""The C decode-attention kernel (csrc/paged_decode.c): built on first use, called through ctypes.
+"""The C kernels (csrc/: decode attention, pointwise ops, page checksums): built on first use,
+called through ctypes.
 
 Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
 libgomp, already loaded under the same soname) into a cache directory keyed by the source, the
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "pointwise.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "pointwise.c", "checksum.c")]
 # -ffast-math lets expf vectorize (glibc's libmvec). It is given when compiling only: linked with
 # it, gcc would add crtfastmath.o, which turns on flush-to-zero for the whole process (torch too).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
@@ -92,6 +93,8 @@ def library() -> ctypes.CDLL:
     lib.silu_and_mul_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.rope_f32.restype = None
+    lib.page_checksums.argtypes = [ptr, i64, ptr, i64, ptr]
+    lib.page_checksums.restype = None
     return lib
 
 
@@ -206,3 +209,18 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError(f"rope_: cos/sin must be contiguous [{tokens}, 1, {head_dim}]")
     _fn("rope_f32")(qk.data_ptr(), _rows_of(qk, heads * head_dim), cos.data_ptr(), sin.data_ptr(), tokens, heads,
                        head_dim)
+
+
+def page_checksums(pages: torch.Tensor, page_ids: list[int]) -> list[int]:
+    """One int64 per page of `pages` [num_pages, ...] (contiguous, CPU, each page a multiple of 8
+    bytes): the wrapping sum of its 8-byte words, word i times (i + 1) | 1."""
+    page_nbytes = pages[0].numel() * pages.element_size()
+    if not pages.is_contiguous() or pages.device.type != "cpu" or page_nbytes % 8:
+        raise ValueError(f"page_checksums: contiguous CPU pages of a multiple of 8 bytes expected, got "
+                         f"{tuple(pages.shape)} {pages.dtype} on {pages.device}")
+    if any(not 0 <= p < pages.shape[0] for p in page_ids):
+        raise ValueError(f"page_checksums: page ids outside [0, {pages.shape[0]})")
+    ids = torch.tensor(page_ids, dtype=torch.int64)
+    out = torch.empty(len(page_ids), dtype=torch.int64)
+    _fn("page_checksums")(pages.data_ptr(), page_nbytes, ids.data_ptr(), len(page_ids), out.data_ptr())
+    return out.tolist()
