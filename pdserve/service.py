@@ -21,6 +21,40 @@ def parse_config(cls: type[T], prog: str, argv: list[str] | None = None) -> T:
     return config_mod.load(cls, parser.parse_args(argv))
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8} (taskset's list format); '' -> empty: no restriction."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"cpus: {part!r} is not a CPU id or range (e.g. '1' or '0-3,8')") from None
+        if first < 0 or last < first:
+            raise ValueError(f"cpus: {part!r} is not a CPU id or range (e.g. '1' or '0-3,8')")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def pin_cpus(spec: str) -> set[int] | None:
+    """Run this process (every thread it has, and every thread it starts later) on those CPUs
+    only, as `taskset` would: how a worker gets cores of its own beside others on one machine."""
+    cpus = parse_cpus(spec)
+    if not cpus:
+        return None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"cpus {sorted(cpus - allowed)} are not available to this process "
+                         f"(it may run on {sorted(allowed)})")
+    for tid in os.listdir("/proc/self/task"):  # threads already started (e.g. the tracing exporter)
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
 def write_port_file(path: str, port: int) -> None:
     """Atomically publish the bound port (readers poll for the file)."""
     if not path:

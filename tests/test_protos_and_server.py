@@ -84,3 +84,31 @@ def test_no_service_imports_another_and_engine_imports_no_grpc():
             text = path.read_text()
             assert "import grpc" not in text and "import redis" not in text, path
     assert Path(ROOT / "pdserve" / "v1" / "__init__.py").exists()
+
+
+def test_cpus_flag_pins_every_thread_of_the_process(shared_redis_url, key_prefix):
+    """--cpus restricts the whole process, threads started before the flag was applied included."""
+    import os
+
+    import pytest
+
+    from pdserve.service import parse_cpus, pin_cpus
+
+    assert parse_cpus("0-2,5, 7") == {0, 1, 2, 5, 7} and parse_cpus("") == set()
+    for bad in ("3-1", "x", "-1", "1-"):
+        with pytest.raises(ValueError, match="not a CPU id or range"):
+            parse_cpus(bad)
+    with pytest.raises(ValueError, match="not available to this process"):
+        pin_cpus("100000")
+    cpu = max(os.sched_getaffinity(0))
+    store = start_store(shared_redis_url, key_prefix, 4, 4, extra=("--cpus", str(cpu)))
+    try:
+        tids = os.listdir(f"/proc/{store.proc.pid}/task")
+        assert len(tids) > 3  # gRPC, transfer engine and tracing threads besides the main one
+        allowed = {tid: os.sched_getaffinity(int(tid)) for tid in tids}
+        assert set(map(frozenset, allowed.values())) == {frozenset({cpu})}
+    finally:
+        store.stop()
+    out = subprocess.run([sys.executable, "-m", "services.kvstore", "--cpus", "2-1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "not a CPU id or range" in out.stderr

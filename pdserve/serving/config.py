@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
+from pdserve.service import parse_cpus
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = field(2048, "per-step token budget (chunked prefill)")
     max_num_seqs: int = field(128, "running sequences at once")
     threads: int = field(0, "torch threads (0: torch's default)")
+    cpus: str = field("", "CPU ids this worker runs on, taskset-style, e.g. '1' or '0-3,8' (default: all)")
     engine: str = field("real", "real | mock (cost-model timing, no model compute)")
     mock_cost: str = field("", "mock engine cost model: JSON file or inline JSON (default: fitted to tiny here)")
     mock_scale: float = field(1.0, "multiply every mock cost by this (e.g. to mimic a larger model)")
@@ -45,5 +47,6 @@ class WorkerConfig:
                      "lease_ms", "tail_ttl_ms", "prefill_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        parse_cpus(self.cpus)
         if self.offload_blocks < 0:
             raise ValueError(f"offload_blocks must be >= 0, got {self.offload_blocks}")

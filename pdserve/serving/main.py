@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from pdserve.engine.config import Role
 from pdserve.server import build_server
-from pdserve.service import parse_config, run, write_port_file
+from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.serving.bootstrap import Worker, start_worker
 from pdserve.serving.config import WorkerConfig
 
@@ -18,6 +18,7 @@ def serve_worker(role: Role, make_servicer: Callable[[Worker], object], add_to_s
 
     async def main() -> None:
         cfg = parse_config(WorkerConfig, f"python -m services.{role.value}")
+        pin_cpus(cfg.cpus)  # before the engine's, the transfer engine's and gRPC's threads start
         worker = await start_worker(cfg, role)
         servicer = make_servicer(worker)
 

@@ -12,7 +12,7 @@ from pdserve.kv.transfer import Transfer
 from pdserve.model.config import parse_dtype
 from pdserve.redis_keys import RedisKeys
 from pdserve.server import build_server
-from pdserve.service import parse_config, run, write_port_file
+from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.memory import TierMemory
@@ -46,6 +46,7 @@ def device_name(cfg: KVStoreConfig) -> str:
 
 async def main() -> None:
     cfg = parse_config(KVStoreConfig, "python -m services.kvstore")
+    pin_cpus(cfg.cpus)
     profile = hash_profile(cfg)
     block_nbytes = profile.layout.block_nbytes
     device = TierMemory("device", cfg.device_bytes // block_nbytes, block_nbytes, device_name(cfg))

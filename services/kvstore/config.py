@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
+from pdserve.service import parse_cpus
 
 MIB = 1024 * 1024
 
@@ -30,6 +31,7 @@ class KVStoreConfig:
     te_host: str = field("127.0.0.1", "address the transfer engine listens on")
     te_protocol: str = field("tcp", "transfer engine protocol: tcp or rdma")
     grace_s: float = field(5.0, "drain period on SIGTERM")
+    cpus: str = field("", "CPU ids the store runs on, taskset-style, e.g. '0' or '0-3' (default: all)")
 
     def __post_init__(self) -> None:
         if self.device_bytes <= 0 or self.dram_bytes <= 0:
@@ -40,3 +42,4 @@ class KVStoreConfig:
             raise ValueError("--kv-layout and --model-fingerprint go together")
         if self.lease_ms <= 0:
             raise ValueError("lease_ms must be positive")
+        parse_cpus(self.cpus)
