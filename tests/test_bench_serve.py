@@ -112,3 +112,16 @@ def test_pooled_bound_over_token_prefixes_matches_block_structure():
     assert pooled_bound(reqs, 100, 16) == pytest.approx(5 / 9)
     # Room for 3 blocks: b evicts a's third block -> the repeat of a hits its first 2 only.
     assert pooled_bound(reqs, 3, 16) == pytest.approx(4 / 9)
+
+
+def test_pinned_deployments_give_each_pool_or_worker_cpus_of_its_own():
+    from pdserve.bench.deploy import worker_cpus
+
+    assert worker_cpus("disagg", 1, 1, [0, 1]) == {("prefill", 0): "0", ("decode", 0): "1"}
+    assert worker_cpus("colocated", 1, 1, [0, 1]) == {("decode", 0): "0", ("decode", 1): "1"}
+    assert worker_cpus("colocated", 2, 1, [4, 5]) == {("decode", 0): "4", ("decode", 1): "5", ("decode", 2): "4"}
+    eight = worker_cpus("disagg", 3, 1, list(range(8)))
+    assert eight[("prefill", 0)] == eight[("prefill", 2)] == "0,1,2,3,4,5" and eight[("decode", 0)] == "6,7"
+    assert worker_cpus("disagg", 9, 1, [0, 1, 2])[("decode", 0)] == "2"  # the decode pool always keeps one
+    with pytest.raises(ValueError, match="two CPUs"):
+        worker_cpus("disagg", 1, 1, [0])

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> None:
             spec = DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
                               worker_cache_tokens=args.worker_cache_tokens, store_cache_tokens=args.store_cache_tokens,
                               decode_kv_tokens=args.decode_kv_tokens,
-                              threads=args.threads, extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
+                              threads=args.threads, pin=args.pin,
+                              extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
             runs.append(run_config(spec, reqs, args))
     capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
     doc = {"workload": args.workload, "machine": machine(), "runs": runs,
@@ -157,6 +158,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--offload-blocks", type=int, default=256,
                    help="prefill workers' staging pages for evicted blocks on their way to the store (0: off)")
+    p.add_argument("--pin", action="store_true",
+                   help="workers on CPUs of their own: disagg, P pool and D pool apart; colocated, one CPU each")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

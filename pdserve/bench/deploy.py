@@ -23,8 +23,23 @@ class DeploySpec:
     block_size: int = 16
     block_nbytes: int = 65536  # tiny model KV per block (fp32, block 16)
     threads: int = 1
+    # Give workers CPUs of their own (taskset-style): disagg, the CPUs split between the prefill
+    # and decode pools in proportion to their sizes (one each on a two-CPU machine); colocated,
+    # worker i on CPU i (mod the count). The store, the router and the client are not pinned.
+    pin: bool = False
     extra_router_flags: tuple[str, ...] = ()
     extra_worker_flags: tuple[str, ...] = ()
+
+
+def worker_cpus(mode: str, prefill: int, decode: int, cpus: list[int]) -> dict[tuple[str, int], str]:
+    """{(role, index): '--cpus' value}: see DeploySpec.pin."""
+    if mode == "colocated":
+        return {("decode", i): str(cpus[i % len(cpus)]) for i in range(prefill + decode)}
+    if len(cpus) < 2:
+        raise ValueError("pinning a disaggregated deployment needs two CPUs or more")
+    half = min(len(cpus) - 1, max(1, len(cpus) * prefill // (prefill + decode)))
+    p_cpus, d_cpus = ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+    return {**{("prefill", i): p_cpus for i in range(prefill)}, **{("decode", i): d_cpus for i in range(decode)}}
 
 
 @dataclass
@@ -68,7 +83,9 @@ class Deployment:
             roles = [("prefill", s.prefill, cache), ("decode", s.decode, str(s.decode_kv_tokens // s.block_size))]
         else:
             roles = [("decode", s.prefill + s.decode, cache)]
-        workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages, name=f"{role}-{i}"))
+        placed = worker_cpus(s.mode, s.prefill, s.decode, sorted(os.sched_getaffinity(0))) if s.pin else {}
+        workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages,
+                                            *(("--cpus", placed[role, i]) if placed else ()), name=f"{role}-{i}"))
                    for role, n, pages in roles for i in range(n)]
         for w in workers:
             w.spawn()
