@@ -104,7 +104,7 @@ def test_cpus_flag_pins_every_thread_of_the_process(shared_redis_url, key_prefix
     store = start_store(shared_redis_url, key_prefix, 4, 4, extra=("--cpus", str(cpu)))
     try:
         tids = os.listdir(f"/proc/{store.proc.pid}/task")
-        assert len(tids) > 3  # gRPC, transfer engine and tracing threads besides the main one
+        assert len(tids) > 3  # gRPC's and the transfer engine's threads besides the main one
         allowed = {tid: os.sched_getaffinity(int(tid)) for tid in tids}
         assert set(map(frozenset, allowed.values())) == {frozenset({cpu})}
     finally:

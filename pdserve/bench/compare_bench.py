@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
                               worker_cache_tokens=args.worker_cache_tokens, store_cache_tokens=args.store_cache_tokens,
                               decode_kv_tokens=args.decode_kv_tokens,
                               threads=args.threads, pin=args.pin,
+                              extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
+                                                  if mode == "disagg" else ()),
                               extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
             runs.append(run_config(spec, reqs, args))
     capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
@@ -158,6 +160,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--offload-blocks", type=int, default=256,
                    help="prefill workers' staging pages for evicted blocks on their way to the store (0: off)")
+    p.add_argument("--colocate-below-tokens", type=int, default=0,
+                   help="disagg: prompts with fewer uncached tokens prefill on decode (conditional disaggregation)")
     p.add_argument("--pin", action="store_true",
                    help="workers on CPUs of their own: disagg, P pool and D pool apart; colocated, one CPU each")
     p.add_argument("--out", default="bench-out/compare")

@@ -40,6 +40,7 @@ class BlockStore:
         self.entries: dict[bytes, Entry] = {}
         self.evictable: dict[str, EvictionOrder] = {DEVICE: EvictionOrder(), DRAM: EvictionOrder()}
         self.leases: dict[str, Lease] = {}
+        self.held_tails: set[bytes] = set()  # committed tails pinned by their TTL: all `reap` looks at
         self._closed_leases: OrderedDict[str, None] = OrderedDict()  # for idempotent commits
         self.watchers: dict[bytes, list[Watcher]] = {}
         self.counters = Counters()
@@ -208,25 +209,29 @@ class BlockStore:
         if lease.kind != "write":
             raise InvalidArgument(f"lease {lease_id!r} is a read lease")
         wanted = list(lease.pinned) if keys is None else list(keys)
-        count = 0
         for key in wanted:
             if key not in lease.all_keys:
                 raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
+        uncommitted = set(lease.pinned)  # a write lease names each key once (allocate_put checks)
+        done: set[bytes] = set()
         for key in wanted:
-            if key not in lease.pinned:
+            if key not in uncommitted or key in done:
                 continue  # already committed by this lease, or written by another writer
+            done.add(key)
             entry = self.entries[key]
             entry.committed = True
-            lease.pinned.remove(key)
             self.counters.bytes_written += self.block_nbytes
             if entry.is_tail:
                 entry.tail_held = True  # the writer's pin becomes the TTL pin
                 entry.tail_expires = self.clock() + self._lease_s(tail_ttl_ms)
+                self.held_tails.add(entry.key)
             else:
                 self._unpin(entry)
                 self.index.committed(key, entry.tier)
-            count += 1
             self._notify(entry)
+        if done:
+            lease.pinned = [k for k in lease.pinned if k not in done]
+        count = len(done)
         closed = not lease.pinned
         if closed:
             self._close(lease)
@@ -345,6 +350,7 @@ class BlockStore:
             else:
                 if entry.is_tail and entry.tail_held:
                     entry.tail_held = False  # a per-request tail is read once: consumed, it goes
+                    self.held_tails.discard(entry.key)
                     entry.pins -= 1
                 self._unpin(entry)
                 unpinned += 1
@@ -356,9 +362,10 @@ class BlockStore:
         lapsed = [lid for lid, lease in self.leases.items() if lease.deadline < now and not lease.watching]
         for lease_id in lapsed:
             self.release(lease_id)
-        tails = [e for e in self.entries.values() if e.tail_held and e.tail_expires < now]
+        tails = [e for k in self.held_tails if (e := self.entries[k]).tail_expires < now]
         for entry in tails:
             entry.tail_held = False
+            self.held_tails.discard(entry.key)
             self._unpin(entry)
         return len(lapsed)
 
