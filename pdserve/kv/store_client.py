@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
@@ -33,15 +34,17 @@ class GetResult:
     slices: int
 
 
-@dataclass(frozen=True)
-class SlotInfo:
+class SlotInfo(NamedTuple):  # one per block per call: a tuple builds 3x faster than a frozen dataclass
     address: int
     tier: int  # pb.Tier
     state: int  # pb.SlotState
 
 
 def slots_from_pb(m: pb.SlotList) -> list[SlotInfo]:
-    return [SlotInfo(a, t, s) for a, t, s in zip(m.addresses, m.tiers, m.states, strict=True)]
+    if not len(m.addresses) == len(m.tiers) == len(m.states):
+        raise ValueError(f"malformed slot list from the store: {len(m.addresses)} addresses, {len(m.tiers)} "
+                         f"tiers, {len(m.states)} states")
+    return list(map(SlotInfo, m.addresses, m.tiers, m.states))
 
 
 def slot_from_pb(m: pb.Slot) -> SlotInfo:
