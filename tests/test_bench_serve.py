@@ -55,6 +55,7 @@ def test_percentiles_attainment_and_goodput_on_known_inputs():
     assert attainment(recs, ttft_ms=1000, tpot_ms=100) == 4 / 5
     assert goodput({1.0: 0.99, 2.0: 0.95, 4.0: 0.91, 8.0: 0.5}) == 4.0
     assert goodput({1.0: 0.5}) == 0.0
+    assert goodput({4.0: 0.95, 1.0: 0.95, 2.0: 0.85}) == 1.0  # 4/s passing above a failed 2/s does not count
     s = summarize(recs, wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
     assert s["ttft_ms"]["p50"] == 250 and s["ok"] == 4 and s["errors"] == 1 and s["throughput_rps"] == 2.0
 

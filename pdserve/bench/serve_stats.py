@@ -56,9 +56,14 @@ def attainment(records: Sequence[Record], ttft_ms: float, tpot_ms: float) -> flo
 
 
 def goodput(attained_by_rate: dict[float, float], threshold: float = 0.9) -> float:
-    """Highest swept rate whose attainment is >= threshold (0 when none is)."""
-    ok = [rate for rate, a in attained_by_rate.items() if a >= threshold]
-    return max(ok) if ok else 0.0
+    """Highest swept rate up to which every swept rate attains >= threshold (0 when the lowest
+    does not): a rate that passes above one that failed is luck, not capacity."""
+    best = 0.0
+    for rate in sorted(attained_by_rate):
+        if attained_by_rate[rate] < threshold:
+            break
+        best = rate
+    return best
 
 
 def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
