@@ -13,7 +13,7 @@ from pdserve.model.config import parse_dtype
 from pdserve.model.loader import load_model
 from pdserve.redis_keys import RedisKeys
 from pdserve.server import build_server
-from pdserve.service import parse_config, run, write_port_file
+from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.metrics import Metrics
@@ -27,6 +27,7 @@ log = logs.get("router")
 
 async def main() -> None:
     cfg = parse_config(RouterConfig, "python -m services.router")
+    pin_cpus(cfg.cpus)
     model = load_model(cfg.model, parse_dtype(cfg.dtype))
     fingerprint = mock_fingerprint(model.fingerprint) if cfg.engine == "mock" else model.fingerprint
     profile = HashProfile(fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))

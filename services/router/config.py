@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
+from pdserve.service import parse_cpus
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
@@ -32,9 +33,11 @@ class RouterConfig:
     store: str = field("", "kvstore address, for its stats in Status (optional)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")
+    cpus: str = field("", "CPU ids the router runs on, taskset-style, e.g. '1' or '0-3' (default: all)")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_tokens_cap <= 0:
             raise ValueError("max_tokens_cap must be positive")
+        parse_cpus(self.cpus)
