@@ -184,7 +184,10 @@ static void softmax(float *s, int64_t n) {
             }                                                                                       \
             for (int64_t p = 0; p < pages; p++) {                                                   \
                 const T *k = base + table[p] * page_stride;                                         \
-                if (p + 1 < pages) prefetch_rows(base + table[p + 1] * page_stride, head_stride * (int64_t)sizeof(T)); \
+                if (p + 1 < pages) { /* this page's V too: the V pass then finds it in L2 */             \
+                    prefetch_rows(base + table[p + 1] * page_stride, head_stride * (int64_t)sizeof(T)); \
+                    prefetch_rows(base + table[p] * page_stride + kv_stride, head_stride * (int64_t)sizeof(T)); \
+                }                                                                                   \
                 const int64_t slots = p == pages - 1 ? ctx - p * block_size : block_size;           \
                 for (int64_t j = 0; j < group; j++)                                                 \
                     dots_##SUF(qs + j * head_dim, k, slots, head_dim, scale,                        \
