@@ -179,16 +179,15 @@ class BlockStore:
         lease = self._new_lease("write", lease_ms, request_id)
         lease.all_keys = {*hashes, *([tail_key] if tail_key is not None else [])}
         refs = []
-        base, nbytes = self._base, self.block_nbytes
         for key in [*hashes, *([tail_key] if tail_key is not None else [])]:
             entry = self.entries.get(key)
             if key in placed:
                 tier, slot = placed[key]
                 # New: in no eviction order yet, so pinned without _pin's look-up; the writer's pin.
-                self.entries[key] = Entry(key, tier, slot, pins=1, is_tail=key == tail_key,
-                                          duplicate=writer_keeps_copy)
+                entry = self.entries[key] = Entry(key, tier, slot, pins=1, is_tail=key == tail_key,
+                                                  duplicate=writer_keeps_copy)
                 lease.pinned.append(key)
-                refs.append(SlotRef(key, base[tier] + slot * nbytes, tier, SlotState.WRITE))
+                refs.append(self.slot_ref(entry, SlotState.WRITE))
             elif entry.committed:
                 if not writer_keeps_copy:
                     self._keep(entry)
