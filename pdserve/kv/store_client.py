@@ -134,7 +134,7 @@ class StoreClient:
             slices = await self.write(alloc.slots, local_addrs)
             await self.commit(alloc.lease_id, tail_ttl_ms=tail_ttl_ms)
         except BaseException:
-            await self._release_quietly(alloc.lease_id)
+            await asyncio.shield(self._release_quietly(alloc.lease_id))  # even when we are cancelled
             raise
         states = [s.state for s in alloc.slots]
         return PutResult(states.count(pb.SLOT_STATE_WRITE), states.count(pb.SLOT_STATE_PRESENT),

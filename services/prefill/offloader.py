@@ -91,15 +91,9 @@ class Offloader:
             for i, (h, _) in enumerate(batch):
                 first.setdefault(h, i)
             keep = sorted(first.values())
-            alloc = await store.allocate([batch[i][0] for i in keep], request_id="offload",
-                                         lease_ms=self.w.cfg.lease_ms)
-            try:
-                base = self.staging.data_ptr()
-                await store.write(alloc.slots, [base + slots[i] * self.block_nbytes for i in keep])
-                await store.commit(alloc.lease_id)
-            except BaseException:
-                await asyncio.shield(store._release_quietly(alloc.lease_id))
-                raise
+            base = self.staging.data_ptr()
+            await store.put([batch[i][0] for i in keep], [base + slots[i] * self.block_nbytes for i in keep],
+                            request_id="offload", lease_ms=self.w.cfg.lease_ms)
         except (grpc.aio.AioRpcError, TransferError, OSError) as e:
             self.dropped += len(batch)
             log.warning("offload to the store failed; these evicted blocks are lost", blocks=len(batch),
