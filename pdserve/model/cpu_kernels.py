@@ -98,15 +98,18 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def available(dtype: torch.dtype) -> str | None:
-    """None when the kernel serves this cache dtype here; otherwise why not."""
-    if dtype not in _SUFFIX:
-        return f"no kernel for {dtype}"
+def unbuildable() -> str | None:
+    """None when the kernels build and load here; otherwise why not."""
     try:
         library()
     except (KernelUnavailable, OSError) as e:
         return str(e)
     return None
+
+
+def available(dtype: torch.dtype) -> str | None:
+    """None when the kernel serves this cache dtype here; otherwise why not."""
+    return f"no kernel for {dtype}" if dtype not in _SUFFIX else unbuildable()
 
 
 def _rows_of(t: torch.Tensor, per_row: int) -> int:

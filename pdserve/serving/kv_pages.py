@@ -34,11 +34,7 @@ def block_checksums(cache: KVCache, block_ids: list[int]) -> list[int]:
 
 @functools.cache
 def _kernel_built() -> bool:
-    try:
-        cpu_kernels.library()
-    except (cpu_kernels.KernelUnavailable, OSError):
-        return False
-    return True
+    return cpu_kernels.unbuildable() is None
 
 
 def _kernel_ok(pages: torch.Tensor) -> bool:
