@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 from pdserve import logs
 from pdserve.kv.layout import HashProfile
 from pdserve.redis_keys import RedisKeys
+from pdserve.serving.index_events import EventWriter, worker_owner
+from pdserve.tasks import cancel_and_wait
 
 log = logs.get("registry")
 
@@ -42,6 +44,7 @@ class Registration:
         self.interval_s = interval_s
         self.connected = False
         self._published: frozenset[bytes] | None = None  # None: write the whole set next beat
+        self._events = EventWriter(keys, worker_owner(worker_id))
         self._warned = False
         self._task: asyncio.Task | None = None
 
@@ -49,12 +52,12 @@ class Registration:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        await cancel_and_wait(self._task)
         try:
             pipe = self.redis.pipeline()
             pipe.delete(self.keys.worker(self.worker_id), self.keys.worker_index(self.worker_id))
             pipe.zrem(self.keys.workers(), self.worker_id)
+            self._events.queue(pipe, reset=True)
             await pipe.execute()
         except (aioredis.RedisError, OSError):
             pass
@@ -85,6 +88,8 @@ class Registration:
             pipe.srem(index, *(h.hex() for h in removed))
         if added:
             pipe.sadd(index, *(h.hex() for h in added))
+        if self._published is None or added or removed:
+            self._events.queue(pipe, reset=self._published is None, added=added, removed=removed)
         pipe.scard(index)
         pipe.expire(index, ttl)
         results = await pipe.execute()

@@ -13,6 +13,8 @@ import redis.asyncio as aioredis
 
 from pdserve import logs
 from pdserve.redis_keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+from pdserve.serving.index_events import STORE_OWNER, EventWriter
+from pdserve.tasks import cancel_and_wait
 
 log = logs.get("kvstore.index")
 
@@ -33,6 +35,7 @@ class RedisIndex:
         self._misses = 0
         self._task: asyncio.Task | None = None
         self._warned = False
+        self._events = EventWriter(keys, STORE_OWNER)
 
     # IndexSink: called on the event loop, never blocks.
     def committed(self, key: bytes, tier: str) -> None:
@@ -52,12 +55,7 @@ class RedisIndex:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         try:
             await self.flush()
         except Exception:  # noqa: BLE001 - best effort at shutdown
@@ -82,13 +80,15 @@ class RedisIndex:
 
     async def flush(self) -> None:
         index = self.keys.store_index()
-        pipe = self.redis.pipeline(transaction=self._rebuild)
+        # A transaction: the index and its change event land together (see index_events).
+        pipe = self.redis.pipeline(transaction=True)
         if self._rebuild:
             pending, self._pending = {}, {}
             contents = self.snapshot()
             pipe.delete(index)
             for i in range(0, len(contents), 1000):
                 pipe.hset(index, mapping={k.hex(): tier for k, tier in contents[i : i + 1000]})
+            self._events.queue(pipe, reset=True)
         else:
             pending, self._pending = self._pending, {}
             # One HSET and one HDEL per flush: a command per block costs the store's event loop
@@ -99,6 +99,9 @@ class RedisIndex:
                 pipe.hset(index, mapping=placed)
             if dropped:
                 pipe.hdel(index, *dropped)
+            if pending:
+                self._events.queue(pipe, added=[k for k, tier in pending.items() if tier is not None],
+                                   removed=[k for k, tier in pending.items() if tier is None])
         pipe.expire(index, INDEX_TTL_S)
         hits, misses = self._hits, self._misses
         if hits or misses:

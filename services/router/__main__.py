@@ -16,6 +16,7 @@ from pdserve.server import build_server
 from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.index_mirror import IndexMirror
 from services.router.metrics import Metrics
 from services.router.router import Router
 from services.router.servicer import RouterServicer
@@ -35,8 +36,10 @@ async def main() -> None:
     keys = RedisKeys(cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
     metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
+    mirror = IndexMirror(aioredis.Redis.from_url(cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=0.5),
+                         keys) if cfg.index_mirror else None
     router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,
-                    redis, pool, metrics)
+                    redis, pool, metrics, mirror)
     servicer = RouterServicer(router, lambda: status(router, cfg.store))
 
     def register(server) -> list[str]:
@@ -50,6 +53,8 @@ async def main() -> None:
     stopped = handle.install_signal_handlers()
     await pool.refresh()
     pool.start()
+    if mirror is not None:
+        mirror.start()
     if cfg.metrics_port >= 0:
         port = await metrics.serve(cfg.host, cfg.metrics_port)
         log.info("metrics", url=f"http://{cfg.host}:{port}/metrics")
@@ -58,6 +63,8 @@ async def main() -> None:
     await stopped.wait()
     try:
         await asyncio.wait_for(pool.stop(), timeout=2.0)
+        if mirror is not None:
+            await asyncio.wait_for(mirror.stop(), timeout=2.0)
         await asyncio.wait_for(redis.aclose(), timeout=2.0)
     except TimeoutError:
         log.warning("teardown of the worker pool or Redis did not finish in time")

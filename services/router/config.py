@@ -27,6 +27,8 @@ class RouterConfig:
     max_tokens_cap: int = field(4096, "largest max_tokens a request may ask for")
     max_prompt_tokens: int = field(0, "largest prompt (0: the model's context length)")
     max_prompt_bytes: int = field(16 << 20, "largest prompt text in bytes")
+    index_mirror: bool = field(True, "keep the prefix index in memory, fed by Redis's change events (off: ask "
+                                     "Redis on every request)")
     refresh_s: float = field(0.25, "how often the worker registry is re-read and health-checked")
     call_timeout_s: float = field(600.0, "deadline of each request's calls to the workers")
     prefill_timeout_ms: int = field(4000, "decode gives up when prefill is silent this long")

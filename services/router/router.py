@@ -20,6 +20,7 @@ from pdserve.serving.dispatch import DispatchError, Finished, FirstFromPrefill, 
 from pdserve.v1 import decode_pb2
 from pdserve.wire import profile_to_pb, sampling_to_pb
 from services.router.config import RouterConfig
+from services.router.index_mirror import IndexMirror
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
 from services.router.prefix_index import PrefixHits, PrefixIndex
@@ -73,7 +74,8 @@ class Router:
     """Stateless apart from caches: the pool view, learned coefficients, the round-robin cursor."""
 
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, profile: HashProfile, max_model_len: int,
-                 vocab_size: int, redis: aioredis.Redis, pool: WorkerPool, metrics: Metrics):
+                 vocab_size: int, redis: aioredis.Redis, pool: WorkerPool, metrics: Metrics,
+                 mirror: IndexMirror | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.profile = profile
@@ -82,6 +84,7 @@ class Router:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.index = PrefixIndex(redis, pool.keys)
+        self.mirror = mirror  # the index in memory, when kept; Redis is asked while it is not live
         self.pool = pool
         self.policy = Policy(cfg.policy)
         self.coef = Coefficients()
@@ -159,6 +162,8 @@ class Router:
     async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
         if not self.pool.redis_ok or self.policy.name != "cache_aware":
             return PrefixHits({}, 0)  # load-only routing
+        if self.mirror is not None and self.mirror.live:
+            return self.mirror.lookup(hashes, prefill_ids)
         try:
             return await self.index.lookup(hashes, prefill_ids)
         except (aioredis.RedisError, OSError):

@@ -20,6 +20,7 @@ from pdserve.kv.layout import HashProfile
 from pdserve.redis_keys import RedisKeys
 from pdserve.server import channel
 from pdserve.serving.registry import profile_json
+from pdserve.tasks import cancel_and_wait
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 log = logs.get("router.workers")
@@ -65,8 +66,7 @@ class WorkerPool:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        await cancel_and_wait(self._task)
         for w in self.workers.values():
             if w.channel:
                 await w.channel.close()

@@ -1,0 +1,186 @@
+"""The router's in-memory mirror of the prefix index, against real Redis and the real index
+writers (a worker's Registration, the store's RedisIndex): exact contents after adds, removals,
+resets and gaps, the same answers as the Lua look-up, and Redis going away and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import redis.asyncio as aioredis
+
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.redis_keys import RedisKeys
+from pdserve.serving.index_events import EventWriter, worker_owner
+from pdserve.serving.registry import Registration
+from services.kvstore.redis_index import RedisIndex
+from services.router.index_mirror import IndexMirror, leading_runs
+from services.router.prefix_index import PrefixIndex
+
+PROFILE = HashProfile("f" * 64, KVLayout(4, 2, 16, 64, "float32"))
+
+
+def _chain(tag: int, n: int) -> list[bytes]:
+    return [tag.to_bytes(2, "big") + i.to_bytes(4, "big") + bytes(10) for i in range(n)]
+
+
+def _registration(url: str, keys: RedisKeys, worker: str, cached: list[bytes], interval_s: float = 1.0) -> Registration:
+    return Registration(url, keys, worker, "prefill", "127.0.0.1:1", PROFILE, lambda: {}, lambda: list(cached),
+                        interval_s=interval_s)
+
+
+async def _mirror(url: str, keys: RedisKeys) -> IndexMirror:
+    mirror = IndexMirror(aioredis.Redis.from_url(url), keys)
+    await mirror.sync()
+    return mirror
+
+
+def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_lookup(shared_redis_url, key_prefix):
+    keys = RedisKeys(key_prefix)
+    chain = _chain(1, 40)
+
+    async def scenario():
+        a_cached, b_cached = list(chain[:12]), list(chain[:3])
+        a = _registration(shared_redis_url, keys, "a", a_cached)
+        b = _registration(shared_redis_url, keys, "b", b_cached)
+        store_contents: list[tuple[bytes, str]] = []
+        store = RedisIndex(shared_redis_url, keys, lambda: list(store_contents))
+        lua_client = aioredis.Redis.from_url(shared_redis_url)
+        lua = PrefixIndex(lua_client, keys)
+        mirror = await _mirror(shared_redis_url, keys)  # before anything is written
+        try:
+            await a.beat()  # first beats: whole sets (reset events)
+            await b.beat()
+            store_contents[:] = [(h, "dram") for h in chain[12:30] + chain[:2]]
+            await store.flush()  # first flush: a rebuild (reset event)
+            assert await mirror.poll(0) == 3
+            assert mirror.reloads == 3
+            assert mirror.worker_hashes("a") == frozenset(chain[:12])
+            assert mirror.worker_hashes("b") == frozenset(chain[:3])
+            assert mirror.store_hashes() == frozenset(chain[12:30] + chain[:2])
+            hits = mirror.lookup(chain, ["a", "b", "c"])
+            assert (hits.worker_blocks, hits.store_blocks, hits.store_after) == (
+                {"a": 12, "b": 3, "c": 0}, 2, {"a": 18, "b": 0, "c": 2})
+
+            # Deltas: a evicts its tail and caches another chain; the store drops and gains blocks.
+            other = _chain(2, 10)
+            a_cached[:] = chain[:8] + other
+            await a.beat()
+            store.dropped(chain[29])
+            store.dropped(chain[0])
+            store.committed(chain[30], "device")
+            store.moved(chain[12], "device")
+            await store.flush()
+            assert await mirror.poll(0) == 2
+            assert mirror.reloads == 3  # deltas, applied in place
+            assert mirror.worker_hashes("a") == frozenset(chain[:8] + other)
+            assert mirror.store_hashes() == frozenset(chain[12:29] + chain[1:2] + chain[30:31])
+
+            # The same answers as the Lua look-up, for chains that start anywhere.
+            rng = random.Random(7)
+            chains = [chain, other, chain[:5], chain[8:], chain[12:35], [], *(
+                rng.sample(chain, rng.randint(1, 40)) for _ in range(20))]
+            for c in chains:
+                want = await lua.lookup(c, ["a", "b", "c"])
+                got = mirror.lookup(c, ["a", "b", "c"])
+                assert (got.worker_blocks, got.store_blocks, got.store_after) == (
+                    want.worker_blocks, want.store_blocks, want.store_after), c
+
+            # A mirror that starts now (snapshot, then the stream) holds exactly the same.
+            late = await _mirror(shared_redis_url, keys)
+            await late.poll(0)  # re-applies the events after its snapshot point: no change
+            assert late.worker_hashes("a") == mirror.worker_hashes("a")
+            assert late.worker_hashes("b") == mirror.worker_hashes("b")
+            assert late.store_hashes() == mirror.store_hashes()
+            await late.stop()
+
+            # A worker that stops deletes its index and says so: the mirror forgets it.
+            await b.stop()
+            assert await mirror.poll(0) == 1
+            assert mirror.worker_hashes("b") == frozenset()
+            assert mirror.lookup(chain, ["b"]).worker_blocks == {"b": 0}
+        finally:
+            await mirror.stop()
+            await a.stop()
+            await store.redis.delete(keys.store_index(), keys.index_events())
+            await store.redis.aclose()
+            await lua_client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_gap_in_an_owners_events_makes_the_mirror_reread_its_key(shared_redis_url, key_prefix):
+    keys = RedisKeys(key_prefix)
+    chain = _chain(3, 6)
+
+    async def scenario():
+        r = aioredis.Redis.from_url(shared_redis_url)
+        writer = EventWriter(keys, worker_owner("w"))
+        mirror = await _mirror(shared_redis_url, keys)
+        try:
+            pipe = r.pipeline(transaction=True)
+            pipe.sadd(keys.worker_index("w"), *(h.hex() for h in chain[:4]))
+            writer.queue(pipe, added=chain[:4])
+            await pipe.execute()
+            assert await mirror.poll(0) == 1
+            assert mirror.worker_hashes("w") == frozenset(chain[:4]) and mirror.reloads == 0
+            # An event the mirror never sees (numbered, but not in the stream), then the next one.
+            await r.sadd(keys.worker_index("w"), chain[4].hex())
+            writer._seq += 1
+            pipe = r.pipeline(transaction=True)
+            pipe.sadd(keys.worker_index("w"), chain[5].hex())
+            writer.queue(pipe, added=chain[5:6])
+            await pipe.execute()
+            assert await mirror.poll(0) == 1
+            assert mirror.reloads == 1
+            assert mirror.worker_hashes("w") == frozenset(chain)  # the key, not just the event
+        finally:
+            await mirror.stop()
+            await r.delete(keys.worker_index("w"), keys.index_events())
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_mirror_stops_when_redis_stops_and_resyncs_when_it_returns(private_redis, key_prefix):
+    keys = RedisKeys(key_prefix)
+    chain = _chain(4, 8)
+
+    async def wait_for(cond, timeout_s=10.0):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        cached = list(chain[:5])
+        worker = _registration(private_redis.url, keys, "w", cached, interval_s=0.1)
+        worker.start()  # its own heartbeat loop, which rides out Redis going away
+        mirror = IndexMirror(aioredis.Redis.from_url(private_redis.url, socket_timeout=1.0,
+                                                     socket_connect_timeout=0.5), keys, block_ms=100)
+        mirror.start()
+        try:
+            await wait_for(lambda: mirror.live and mirror.worker_hashes("w") == frozenset(chain[:5]))
+            private_redis.stop()
+            await wait_for(lambda: not mirror.live)
+            cached[:] = chain
+            private_redis.start()  # empty: Redis kept nothing; the worker republishes its whole set
+            await wait_for(lambda: mirror.live and mirror.worker_hashes("w") == frozenset(chain))
+            assert mirror.lookup(chain, ["w"]).worker_blocks == {"w": 8}
+        finally:
+            await mirror.stop()
+            await worker.stop()
+
+    asyncio.run(scenario())
+
+
+def test_leading_runs_on_plain_sets():
+    """Unit check of the look-up over in-memory sets (no Redis): worker runs stop at the first
+    miss of a prefix-closed cache; the store's run after a worker's run is scanned from there."""
+    chain = _chain(5, 10)
+    hits = leading_runs(chain, {"x": set(chain[:4]), "y": set(), "z": set(chain)}, set(chain[:2] + chain[4:7]))
+    assert hits.worker_blocks == {"x": 4, "y": 0, "z": 10}
+    assert hits.store_blocks == 2
+    assert hits.store_after == {"x": 3, "y": 2, "z": 0}
+    assert leading_runs([], {"x": set(chain)}, set(chain)).worker_blocks == {"x": 0}
