@@ -70,13 +70,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             handler.response_serializer)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+def refusal(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a handler's exception ends its call with, logged (a bug with its
+    traceback, a refusal as information)."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("handler failed", method=method)
     else:
         log.info("request refused", method=method, code=code.name, message=str(exc))
-    await context.abort(code, str(exc) or type(exc).__name__)
+    return code, str(exc) or type(exc).__name__
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    await context.abort(*refusal(exc, method))
 
 
 def _wrap_unary(fn, method: str):

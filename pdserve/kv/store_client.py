@@ -10,6 +10,7 @@ from typing import NamedTuple
 import grpc
 
 from pdserve import logs
+from pdserve.kv.control_stream import ControlStream
 from pdserve.kv.layout import HashProfile
 from pdserve.kv.transfer import Span, Transfer
 from pdserve.server import channel
@@ -86,6 +87,7 @@ class StoreClient:
         self.segment = ""
         self.block_nbytes = profile.layout.block_nbytes
         self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
+        self._control = ControlStream(lambda: self.stub)  # allocate, commit, get, renew, release
 
     async def connect(self) -> pb.InfoResponse:
         info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
@@ -102,6 +104,7 @@ class StoreClient:
     async def close(self) -> None:
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
+        await self._control.close()
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -110,9 +113,9 @@ class StoreClient:
     async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                        lease_ms: int = 0, writer_keeps_copy: bool = False) -> Allocation:
         """writer_keeps_copy: these blocks stay in our own cache too (see AllocatePutRequest)."""
-        resp = await self.stub.AllocatePut(pb.AllocatePutRequest(
-            profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id, writer_keeps_copy=writer_keeps_copy), timeout=self.timeout_s)
+        resp = await self._control.call("allocate_put", pb.AllocatePutRequest(
+            profile=self.profile_pb, block_hashes=hashes, tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id, writer_keeps_copy=writer_keeps_copy), self.timeout_s)
         return Allocation(resp.lease_id, slots_from_pb(resp.slots))
 
     async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
@@ -122,8 +125,8 @@ class StoreClient:
         return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
 
     async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
-        return await self.stub.CommitPut(pb.CommitPutRequest(lease_id=lease_id, keys=list(keys),
-                                                             tail_ttl_ms=tail_ttl_ms), timeout=self.timeout_s)
+        return await self._control.call("commit_put", pb.CommitPutRequest(lease_id=lease_id, keys=keys,
+                                                                          tail_ttl_ms=tail_ttl_ms), self.timeout_s)
 
     async def put(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0,
@@ -162,9 +165,9 @@ class StoreClient:
     async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                   lease_ms: int = 0) -> Pinned:
         """Pin the longest stored prefix under a lease (release it, or it lapses)."""
-        resp = await self.stub.Get(pb.GetRequest(
-            profile=self.profile_pb, block_hashes=list(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id), timeout=self.timeout_s)
+        resp = await self._control.call("get", pb.GetRequest(
+            profile=self.profile_pb, block_hashes=hashes, tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id), self.timeout_s)
         tail = slot_from_pb(resp.tail) if resp.HasField("tail") else None
         return Pinned(resp.lease_id, slots_from_pb(resp.slots), tail)
 
@@ -185,11 +188,11 @@ class StoreClient:
         return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
 
     async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
-        return await self.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s)
+        return await self._control.call("release_lease", pb.ReleaseLeaseRequest(lease_id=lease_id), self.timeout_s)
 
     async def renew(self, lease_id: str, lease_ms: int = 0) -> None:
-        await self.stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms),
-                                   timeout=self.timeout_s)
+        await self._control.call("renew_lease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms),
+                                 self.timeout_s)
 
     def keep_alive(self, lease_id: str, lease_ms: int) -> asyncio.Task:
         """Renew a lease every third of its length until the returned task is cancelled."""

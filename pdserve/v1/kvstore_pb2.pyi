@@ -192,6 +192,42 @@ class ReleaseLeaseResponse(_message.Message):
     reclaimed: int
     def __init__(self, unpinned: _Optional[int] = ..., reclaimed: _Optional[int] = ...) -> None: ...
 
+class ControlRequest(_message.Message):
+    __slots__ = ("call_id", "allocate_put", "commit_put", "get", "renew_lease", "release_lease")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_PUT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_PUT_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    allocate_put: AllocatePutRequest
+    commit_put: CommitPutRequest
+    get: GetRequest
+    renew_lease: RenewLeaseRequest
+    release_lease: ReleaseLeaseRequest
+    def __init__(self, call_id: _Optional[int] = ..., allocate_put: _Optional[_Union[AllocatePutRequest, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ...) -> None: ...
+
+class ControlResponse(_message.Message):
+    __slots__ = ("call_id", "status_code", "status_message", "allocate_put", "commit_put", "get", "renew_lease", "release_lease")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_PUT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_PUT_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    status_code: int
+    status_message: str
+    allocate_put: AllocatePutResponse
+    commit_put: CommitPutResponse
+    get: GetResponse
+    renew_lease: RenewLeaseResponse
+    release_lease: ReleaseLeaseResponse
+    def __init__(self, call_id: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., allocate_put: _Optional[_Union[AllocatePutResponse, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseResponse, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseResponse, _Mapping]] = ...) -> None: ...
+
 class PutBytesHeader(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "tail_lease_ms", "request_id")
     PROFILE_FIELD_NUMBER: _ClassVar[int]

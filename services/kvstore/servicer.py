@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import structlog
 
 from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.kv.layout import HashProfile
+from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
@@ -20,6 +22,9 @@ _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
+# Control stream: the oneof field of each call -> the unary handler that serves it.
+_CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
+            "release_lease": "ReleaseLease"}
 
 
 def _slot_pb(ref: SlotRef) -> pb.Slot:
@@ -106,6 +111,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def ReleaseLease(self, request, context):
         unpinned, reclaimed = self.store.release(request.lease_id)
         return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=reclaimed)
+
+    async def Control(self, request_iterator, context):
+        """Each message is one of the unary control calls, served by the same handler, in order."""
+        async for request in request_iterator:
+            call = request.WhichOneof("call")
+            if call is None:
+                yield pb.ControlResponse(call_id=request.call_id, status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                         status_message="Control: the message names no call")
+                continue
+            method = _CONTROL[call]
+            try:
+                result = await getattr(self, method)(getattr(request, call), context)
+            except Exception as e:  # noqa: BLE001 - a failed call is answered; the stream goes on
+                code, message = refusal(e, f"Control/{method}")
+                yield pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
+                continue
+            yield pb.ControlResponse(call_id=request.call_id, **{call: result})
 
     async def PutBytes(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
