@@ -7,8 +7,10 @@ OTEL_TRACES_EXPORTER=console prints spans. Unset: the API's no-op tracer, which 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
-from opentelemetry import trace
+from opentelemetry import context, propagate, trace
 
 _provider = None
 
@@ -69,3 +71,34 @@ def client_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     return list(aio_client_interceptors())
+
+
+def current_context() -> dict[str, str]:
+    """The current trace context as W3C headers, for a message that travels on a shared stream
+    (whose own call belongs to no one request); empty when tracing is off."""
+    if _provider is None:
+        return {}
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+@contextmanager
+def detached() -> Iterator[None]:
+    """Run without a current trace: for a long-lived call shared by many requests."""
+    token = context.attach(context.Context())
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+@contextmanager
+def message_span(name: str, carrier: Mapping[str, str]) -> Iterator[None]:
+    """A server span for one message of a shared stream, in the trace its sender named."""
+    if _provider is None:
+        yield
+        return
+    with trace.get_tracer("pdserve.server").start_as_current_span(
+            name, context=propagate.extract(dict(carrier)), kind=trace.SpanKind.SERVER):
+        yield

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import Message
 
+from pdserve import telemetry
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -97,13 +98,15 @@ class ControlStream:
         """Send one control call (`name`: its field in ControlRequest) and return its response."""
         stream = self._stream
         if stream is None or stream.broken is not None:
-            stream = self._stream = _Stream(self._stub())
+            with telemetry.detached():  # the stream serves every request: it belongs to no one trace
+                stream = self._stream = _Stream(self._stub())
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         stream.pending[call_id] = future
         try:
             async with stream.write_lock:
-                await stream.call.write(pb.ControlRequest(call_id=call_id, **{name: request}))
+                await stream.call.write(pb.ControlRequest(call_id=call_id, trace_context=telemetry.current_context(),
+                                                          **{name: request}))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             # The stream ended under the write (the store died or went away): this call and every
             # other waiting on the stream fail with the stream's own status.

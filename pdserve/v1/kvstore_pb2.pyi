@@ -193,20 +193,29 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, unpinned: _Optional[int] = ..., reclaimed: _Optional[int] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
-    __slots__ = ("call_id", "allocate_put", "commit_put", "get", "renew_lease", "release_lease")
+    __slots__ = ("call_id", "allocate_put", "commit_put", "get", "renew_lease", "release_lease", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_PUT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_PUT_FIELD_NUMBER: _ClassVar[int]
     GET_FIELD_NUMBER: _ClassVar[int]
     RENEW_LEASE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     allocate_put: AllocatePutRequest
     commit_put: CommitPutRequest
     get: GetRequest
     renew_lease: RenewLeaseRequest
     release_lease: ReleaseLeaseRequest
-    def __init__(self, call_id: _Optional[int] = ..., allocate_put: _Optional[_Union[AllocatePutRequest, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., allocate_put: _Optional[_Union[AllocatePutRequest, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ControlResponse(_message.Message):
     __slots__ = ("call_id", "status_code", "status_message", "allocate_put", "commit_put", "get", "renew_lease", "release_lease")

@@ -129,7 +129,10 @@ class Decoder:
                 stream.put_nowait(ev0)
                 first_index = 0
             text = TextStream(self.w.model.tokenizer)
-            with tracer.start_as_current_span("decode", attributes={"request_id": rid}):
+            # Not made current: it spans yields, and a generator closed from another context
+            # cannot detach a context it attached (OpenTelemetry logs "Failed to detach context").
+            span = tracer.start_span("decode", attributes={"request_id": rid})
+            try:
                 while True:
                     item = await stream.get()
                     if isinstance(item, Progress):
@@ -145,6 +148,8 @@ class Decoder:
                         yield Done(item.finish_reason, len(req.prompt_ids), item.index + 1, cached_local,
                                    {"pull_wait_ms": pull_ms, "total_ms": (time.perf_counter() - t0) * 1e3})
                         return
+            finally:
+                span.end()
         finally:
             self.w.engine.close_stream(rid)
             self.inflight.pop(rid, None)

@@ -7,7 +7,7 @@ import time
 import grpc
 import structlog
 
-from pdserve import logs
+from pdserve import logs, telemetry
 from pdserve.errors import InvalidArgument
 from pdserve.kv.layout import HashProfile
 from pdserve.server import refusal
@@ -122,7 +122,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 continue
             method = _CONTROL[call]
             try:
-                result = await getattr(self, method)(getattr(request, call), context)
+                with telemetry.message_span(f"/pdserve.v1.KVStore/{method}", request.trace_context):
+                    result = await getattr(self, method)(getattr(request, call), context)
             except Exception as e:  # noqa: BLE001 - a failed call is answered; the stream goes on
                 code, message = refusal(e, f"Control/{method}")
                 yield pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
