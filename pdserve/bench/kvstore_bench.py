@@ -135,7 +135,8 @@ async def _bench_layout(name: str, profile: HashProfile, tokens: list[int], args
 
 
 def _repeats(args, nbytes: int) -> int:
-    return args.repeats if nbytes < 512 * 2**20 else max(1, args.repeats // 3)
+    """At least 3 samples even for the largest moves: one sample of a shared VM is noise."""
+    return args.repeats if nbytes < 512 * 2**20 else max(min(3, args.repeats), args.repeats // 3)
 
 
 def _line(r: dict) -> str:
