@@ -125,6 +125,25 @@ def test_row_ops_match_torch():
     assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
 
 
+@pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="the small-batch GEMM is built for AVX-512 only")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 256), (16, 1408, 256), (5, 258, 704), (3, 7, 19), (64, 33, 100)])
+def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    wide = torch.randn(m, k + 5, generator=gen)
+    x = wide[:, :k]  # rows strided, as a slice of a wider buffer
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = cpu_kernels.linear(x, w, bias)
+    exact = x.double() @ w.double().t() + bias.double()
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert (out.double() - exact).abs().max().item() < 2e-5 * k ** 0.5
+    torch.testing.assert_close(cpu_kernels.linear(x, w), out - bias, atol=1e-5, rtol=1e-5)
+    # A row's result is the same sum whatever rows surround it (tiles of 4, leftovers, m = 1).
+    for i in range(m):
+        assert torch.equal(cpu_kernels.linear(x[i:i + 1].contiguous(), w, bias)[0], out[i])
+    assert torch.equal(cpu_kernels.linear(x[m // 2:], w, bias), out[m // 2:])
+
+
 def test_kernels_refuse_inputs_they_cannot_read():
     cache = torch.zeros(4, LAYERS, 2, 2, BLOCK, 8)
     q = torch.zeros(2, 4, 8)
@@ -138,6 +157,14 @@ def test_kernels_refuse_inputs_they_cannot_read():
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.paged_decode(cache, q.double(), torch.empty_like(q), torch.arange(2),
                                  torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 0, 1.0)
+    if cpu_kernels.small_gemm_available():
+        w = torch.zeros(8, 16)
+        with pytest.raises(ValueError, match="not a small float32 GEMM"):
+            cpu_kernels.linear(torch.zeros(cpu_kernels.SMALL_GEMM_MAX_ROWS + 1, 16), w)
+        with pytest.raises(ValueError, match="not a small float32 GEMM"):
+            cpu_kernels.linear(torch.zeros(2, 16), torch.zeros(16, 8).t())  # weight not contiguous
+        with pytest.raises(ValueError, match="float32"):
+            cpu_kernels.linear(torch.zeros(2, 16, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="match the cache"):
         cpu_kernels.write_kv(cache, torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8), torch.zeros(1),
                              torch.zeros(1), 0)

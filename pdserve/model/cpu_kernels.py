@@ -1,4 +1,4 @@
-"""The C kernels (csrc/: decode attention, pointwise ops, page checksums): built on first use,
+"""The C kernels (csrc/: decode attention, pointwise ops, small-batch GEMM, page checksums): built on first use,
 called through ctypes.
 
 Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "pointwise.c", "checksum.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("paged_decode.c", "pointwise.c", "small_gemm.c", "checksum.c")]
 # -ffast-math lets expf vectorize (glibc's libmvec). It is given when compiling only: linked with
 # it, gcc would add crtfastmath.o, which turns on flush-to-zero for the whole process (torch too).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
@@ -93,6 +94,9 @@ def library() -> ctypes.CDLL:
     lib.silu_and_mul_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.rope_f32.restype = None
+    lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.small_gemm_f32.restype = None
+    lib.small_gemm_available.restype = ctypes.c_int
     lib.page_checksums.argtypes = [ptr, i64, ptr, i64, ptr]
     lib.page_checksums.restype = None
     return lib
@@ -199,6 +203,31 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, dim, dtype=torch.float32)
     _fn("silu_and_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), dim, rows, dim)
+    return out
+
+
+# Decode steps up to this many rows take the small-batch GEMM; larger ones (prefill) take torch's.
+SMALL_GEMM_MAX_ROWS = 64
+
+
+@functools.cache
+def small_gemm_available() -> bool:
+    """The small-batch GEMM is built for AVX-512 CPUs only; elsewhere torch serves every linear."""
+    return unbuildable() is None and bool(library().small_gemm_available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ weight[n, k]^T (+ bias), float32, for a decode step's few rows (m ≤
+    SMALL_GEMM_MAX_ROWS): streams the weights with prefetch, reads them in place."""
+    _float_rows(x, "linear")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > SMALL_GEMM_MAX_ROWS or weight.shape != (n, k) or weight.dtype != torch.float32 \
+            or not weight.is_contiguous() or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        raise ValueError(f"linear: {tuple(x.shape)} @ {tuple(weight.shape)}^T is not a small float32 GEMM")
+    out = torch.empty(m, n, dtype=torch.float32)
+    _fn("small_gemm_f32")(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                          out.data_ptr(), n, m, n, k, torch.get_num_threads())
     return out
 
 

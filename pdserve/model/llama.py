@@ -103,7 +103,14 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h, residual = layer(h, residual, cos_sin, meta, kv_cache)
         x = self.norm((residual + h)[logits_indices])
-        return self.lm_head(x).float()
+        return linear(self.lm_head, x, meta.row_ops).float()
+
+
+def linear(mod: nn.Linear, x: torch.Tensor, row_ops: bool) -> torch.Tensor:
+    """mod(x); a decode step's few float32 rows take the small-batch GEMM (see cpu_kernels.linear)."""
+    if row_ops and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS and cpu_kernels.small_gemm_available():
+        return cpu_kernels.linear(x, mod.weight, mod.bias)
+    return mod(x)
 
 
 class Block(nn.Module):
@@ -141,7 +148,7 @@ class Attention(nn.Module):
         # kv_cache: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]
         num_tokens = x.shape[0]
         q_size, kv_size, _ = self.split
-        qkv = self.wqkv(x)
+        qkv = linear(self.wqkv, x, meta.row_ops)
         # q and k lie side by side in qkv: rotate them in one go. [T, heads + kv_heads, head_dim]
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
         if meta.row_ops:
@@ -170,7 +177,7 @@ class Attention(nn.Module):
         for s in meta.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             out[rows] = self._attend(q[rows], k[rows], v[rows], s, cache_rows, meta.workspace)
-        return self.wo(out.view(num_tokens, self.num_heads * self.head_dim))
+        return linear(self.wo, out.view(num_tokens, self.num_heads * self.head_dim), meta.row_ops)
 
     def _gather(self, cache_rows: torch.Tensor, kv_rows: torch.Tensor, n: int, workspace: torch.Tensor | None):
         # One copy: K and V of n sequences' pages as [n, kv_heads, pages * block_size, head_dim].
@@ -226,9 +233,9 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, row_ops: bool = False) -> torch.Tensor:
-        gate_up = self.w_gate_up(x)
+        gate_up = linear(self.w_gate_up, x, row_ops)
         if row_ops:
-            return self.w_down(cpu_kernels.silu_and_mul(gate_up))
+            return linear(self.w_down, cpu_kernels.silu_and_mul(gate_up), row_ops)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
