@@ -37,3 +37,13 @@ def private_redis():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def small_store(shared_redis_url, key_prefix):
+    """A store of 4 device + 4 DRAM blocks with 1 s leases, in its own process."""
+    from tests.kvstore_support import start_store
+
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4, lease_ms=1000)
+    yield store
+    store.stop()
