@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import grpc
 import pytest
@@ -49,6 +50,15 @@ def test_control_stream_answers_as_the_unary_calls_and_outlives_their_errors(sma
         assert len({p.lease_id for p in pins}) == 30
         released = await asyncio.gather(*(client.release(p.lease_id) for p in pins))
         assert [r.unpinned for r in released] == [k % 3 + 1 for k in range(30)]
+        # A call cancelled in flight leaves nothing waiting on the stream (its pin, if the store
+        # made it, lapses with its lease).
+        task = asyncio.ensure_future(client.pin(chains[0]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await client.pin([block_hash(8, 0)])).lease_id == ""
+        assert client._control._stream.pending == {}
 
         # A message that names no call is refused on its own; the stream goes on.
         call = client.stub.Control()
@@ -61,7 +71,9 @@ def test_control_stream_answers_as_the_unary_calls_and_outlives_their_errors(sma
         call.cancel()
 
     c.call(scenario)
-    s = c.stats()
+    deadline = time.monotonic() + 1.0 + 2.0  # lease + 2 s
+    while (s := c.stats()).active_leases and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert s.active_leases == 0 and tier_stats(s)["device"]["pinned"] == 0
 
 

@@ -29,6 +29,12 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _seen(task: asyncio.Future) -> None:
+    """A send's failure reaches its caller, or the caller has gone: either way it is seen."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _Stream:
     """One open Control call and the calls waiting for its answers."""
 
@@ -55,6 +61,10 @@ class _Stream:
             error = e
         finally:
             self.fail(error)
+
+    async def send(self, message: pb.ControlRequest) -> None:
+        async with self.write_lock:
+            await self.call.write(message)
 
     async def ended(self, write_error: Exception) -> grpc.aio.AioRpcError:
         """Why the stream ended, after a write to it failed. grpc reports a failed write as
@@ -104,27 +114,32 @@ class ControlStream:
         future = asyncio.get_running_loop().create_future()
         stream.pending[call_id] = future
         try:
-            async with stream.write_lock:
-                await stream.call.write(pb.ControlRequest(call_id=call_id, trace_context=telemetry.current_context(),
-                                                          **{name: request}))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            # The stream ended under the write (the store died or went away): this call and every
-            # other waiting on the stream fail with the stream's own status.
-            stream.pending.pop(call_id, None)
-            if future.done():
-                future.exception()  # the reader failed it first; this call raises below instead
-            else:
-                future.cancel()
-            error = await stream.ended(e)
-            stream.fail(error)
-            raise error from None
-        try:
-            response = await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{name}: no answer from the store within {timeout_s} s") from None
+            try:
+                # Shielded: a caller cancelled mid-write must not cancel the stream, which grpc
+                # does to a call whose write is cancelled, failing every other call on it.
+                send = asyncio.ensure_future(stream.send(pb.ControlRequest(
+                    call_id=call_id, trace_context=telemetry.current_context(), **{name: request})))
+                send.add_done_callback(_seen)
+                await asyncio.shield(send)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+                # The stream ended under the write (the store died or went away): this call and
+                # every other waiting on the stream fail with the stream's own status.
+                error = await stream.ended(e)
+                stream.fail(error)
+                raise error from None
+            try:
+                response = await asyncio.wait_for(future, timeout_s)
+            except TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{name}: no answer from the store within {timeout_s} s") from None
         finally:
+            # However this call ends (answer, error, deadline, cancellation), its entry goes, and
+            # an exception set on its future by a failing stream counts as seen.
             stream.pending.pop(call_id, None)
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
         return getattr(response, name)
 
     async def close(self) -> None:
