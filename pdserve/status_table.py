@@ -16,7 +16,8 @@ def render(s: router_pb2.StatusResponse) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.append("")
-    lines.append(f"redis: {'connected' if s.redis_connected else 'UNREACHABLE'}   routing: {s.routing}")
+    index = f"   prefix index: {s.prefix_index}" if s.prefix_index else ""
+    lines.append(f"redis: {'connected' if s.redis_connected else 'UNREACHABLE'}   routing: {s.routing}{index}")
     st = s.store
     if st.address:
         lines.append(f"store {st.address}: " + (

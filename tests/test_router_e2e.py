@@ -86,6 +86,33 @@ def test_shared_prefix_goes_to_the_worker_holding_it(stack, engine):
     assert len(keys) >= 1 and all(0 < r.ttl(k) <= 3600 for k in keys)
 
 
+def test_a_new_router_routes_by_the_mirrored_index_as_by_redis(stack):
+    """Two routers that never saw the first prompt (so no recent-route cache helps them): one
+    reads the index from its in-memory mirror, one asks Redis. Both find the cached prefix on the
+    same worker."""
+    a = ids(800, 13)
+    with Client(stack.router.address) as c:
+        first = c.generate(a, max_tokens=2, ignore_eos=True)
+    time.sleep(1.2)  # the worker's heartbeat publishes its cache contents (and the change event)
+    routers = {}
+    try:
+        for seed, (name, flags) in enumerate((("mirror", ()), ("redis", ("--index-mirror", "false")))):
+            routers[name] = Stack(stack.redis_url, stack.key_prefix, store=stack.store)
+            routers[name].start_router(*flags)
+            routers[name].wait_pool(3)
+            with Client(routers[name].router.address) as c:
+                deadline = time.time() + 10
+                while c.status().prefix_index != name and time.time() < deadline:
+                    time.sleep(0.1)
+                assert c.status().prefix_index == name
+                # Its own suffix: the other router's prompt is cached by now, and would match further.
+                route = c.generate(a[:640] + ids(100, 14 + seed), max_tokens=2, ignore_eos=True).route
+            assert (route["prefill"], route["expected_hit_tokens"]) == (first.route["prefill"], 640), name
+    finally:
+        for r in routers.values():
+            r.router.stop()
+
+
 async def _worker_ids(stack):
     r = redis.asyncio.Redis.from_url(stack.redis_url)
     out = []
@@ -223,6 +250,7 @@ def test_redis_down_routes_by_load_then_recovers(private_redis, key_prefix, engi
                 time.sleep(0.1)
             st = c.status()
             assert not st.redis_connected and st.routing == "load_only (redis unreachable)"
+            assert st.prefix_index == ""
             for i in range(3):
                 assert c.generate(ids(60, 20 + i), max_tokens=4, ignore_eos=True).token_ids == expected(
                     engine, ids(60, 20 + i), 4)
@@ -233,6 +261,10 @@ def test_redis_down_routes_by_load_then_recovers(private_redis, key_prefix, engi
             s.wait_pool(2)
             st = c.status()
             assert st.redis_connected and st.routing == "cache_aware"
+            deadline = time.time() + 10  # the mirror resyncs from Redis on its own clock
+            while c.status().prefix_index != "mirror" and time.time() < deadline:
+                time.sleep(0.1)
+            assert c.status().prefix_index == "mirror"
             a = ids(400, 8)
             c.generate(a, max_tokens=2)
             time.sleep(1.2)

@@ -106,18 +106,20 @@ class HitRates(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "redis_connected", "routing", "hit_rates", "store")
+    __slots__ = ("workers", "redis_connected", "routing", "hit_rates", "store", "prefix_index")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     HIT_RATES_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     redis_connected: bool
     routing: str
     hit_rates: _containers.RepeatedCompositeFieldContainer[HitRates]
     store: StoreStatus
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing: _Optional[str] = ..., hit_rates: _Optional[_Iterable[_Union[HitRates, _Mapping]]] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ...) -> None: ...
+    prefix_index: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., redis_connected: _Optional[bool] = ..., routing: _Optional[str] = ..., hit_rates: _Optional[_Iterable[_Union[HitRates, _Mapping]]] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., prefix_index: _Optional[str] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
     __slots__ = ("address", "reachable", "device_used_blocks", "device_capacity_blocks", "dram_used_blocks", "dram_capacity_blocks", "hits", "misses", "active_leases")

@@ -159,10 +159,17 @@ class Router:
                      choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
                      choice.best_hit_tokens)
 
-    async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
+    def index_source(self) -> str:
+        """Where the next look-up reads the prefix index: "mirror", "redis", or "" (not read)."""
         if not self.pool.redis_ok or self.policy.name != "cache_aware":
+            return ""
+        return "mirror" if self.mirror is not None and self.mirror.live else "redis"
+
+    async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
+        source = self.index_source()
+        if not source:
             return PrefixHits({}, 0)  # load-only routing
-        if self.mirror is not None and self.mirror.live:
+        if source == "mirror":
             return self.mirror.lookup(hashes, prefill_ids)
         try:
             return await self.index.lookup(hashes, prefill_ids)

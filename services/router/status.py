@@ -30,7 +30,8 @@ async def status(router: Router, store_address: str) -> router_pb2.StatusRespons
             pool.redis_ok = False
     routing = router.policy.name if pool.redis_ok else "load_only (redis unreachable)"
     return router_pb2.StatusResponse(workers=workers, redis_connected=pool.redis_ok, routing=routing,
-                                     hit_rates=rates, store=await _store(store_address))
+                                     hit_rates=rates, store=await _store(store_address),
+                                     prefix_index=router.index_source())
 
 
 _LOAD_FIELDS = ("queued_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "inflight_requests")
