@@ -80,7 +80,7 @@ class IndexMirror:
         self.block_ms = block_ms
         self.resync_s = resync_s
         self.live = False
-        self.reloads = 0  # owners re-read after a reset or a gap (exposed for tests and status)
+        self.reloads = 0  # owners re-read after a reset or a gap (tests read it)
         self._workers: dict[str, set[bytes]] = {}
         self._store: set[bytes] = set()
         self._seq: dict[str, int] = {}
