@@ -64,6 +64,35 @@ def test_eviction_demotion_and_promotion_order(small_store, shared_redis_url, ke
     assert [t.promotions for t in s.tiers] == [1, 0] and s.hits == 1
 
 
+@pytest.mark.parametrize("dram_blocks, spill, in_dram, dram_evictions", [
+    (2, 0, [2, 3], 2),  # DRAM turns over while the device makes room: 0, 1 demoted, then dropped
+    (4, 2, [2, 3], 2),  # the put's own spill into DRAM drops 0, 1 after they were demoted
+    (8, 2, [0, 1, 2, 3], 0),  # room for all: every demoted block is copied
+])
+def test_demotions_of_one_put_land_bit_exact(shared_redis_url, key_prefix, dram_blocks, spill, in_dram,
+                                            dram_evictions):
+    """A put that makes room demotes the device's blocks in one batch of copies, after deciding
+    where each ends: a block demoted and then dropped within the same put is never copied, and
+    every block that stays reads back bit-exact from its tier."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=dram_blocks)
+    try:
+        c = LocalClient(store.address)
+        c.put(1, [0, 1, 2, 3])
+        c.put(2, list(range(4 + spill)))
+        want = {i: "dram" if i in in_dram else None for i in range(4)}
+        assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
+        assert tier_stats(c.stats()) == {"device": {"used": 4, "pinned": 0, "evictions": 4},
+                                         "dram": {"used": len(in_dram) + spill, "pinned": 0,
+                                                  "evictions": dram_evictions}}
+        for seed, indices in ((1, in_dram), (2, list(range(4 + spill)))):
+            got = c.call(StoreClient.get, [block_hash(seed, i) for i in indices],
+                         [c.buf.addr(j) for j in range(len(indices))])
+            assert got.num_blocks == len(indices)
+            assert [c.buf.block(j).equal(block_data(seed, i)) for j, i in enumerate(indices)] == [True] * len(indices)
+    finally:
+        store.stop()
+
+
 @pytest.mark.parametrize("offloaded_later", [False, True])
 def test_copies_their_writer_keeps_are_evicted_first(shared_redis_url, key_prefix, offloaded_later):
     """Handoff copies (writer_keeps_copy) go to the cold end of the LRU once unpinned; an offload

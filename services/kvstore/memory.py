@@ -103,3 +103,22 @@ class TierMemory:
 
 def copy_slot(src: TierMemory, src_slot: int, dst: TierMemory, dst_slot: int) -> None:
     dst.view(dst_slot).copy_(src.view(src_slot))
+
+
+# (tier, slot) the bytes go to -> (tier, slot) they come from.
+SlotMoves = dict[tuple[str, int], tuple[str, int]]
+
+
+def copy_slots(tiers: dict[str, TierMemory], moves: SlotMoves) -> None:
+    """Every move of `moves`, runs of adjacent slots (adjacent at both ends) as one copy. No slot
+    may be both a source and a destination."""
+    pairs = sorted((src_tier, src, dst_tier, dst) for (dst_tier, dst), (src_tier, src) in moves.items())
+    i = 0
+    while i < len(pairs):
+        src_tier, src, dst_tier, dst = pairs[i]
+        n = 1
+        while i + n < len(pairs) and pairs[i + n] == (src_tier, src + n, dst_tier, dst + n):
+            n += 1
+        a, b, size = tiers[src_tier], tiers[dst_tier], tiers[src_tier].block_nbytes
+        b.buffer[dst * size:(dst + n) * size].copy_(a.buffer[src * size:(src + n) * size])
+        i += n

@@ -13,15 +13,16 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, Lease, SlotRef, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
-from services.kvstore.memory import TierMemory, copy_slot
+from services.kvstore.memory import SlotMoves, TierMemory, copy_slot, copy_slots
 
 __all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "SlotState"]
 
@@ -45,6 +46,20 @@ class BlockStore:
         self.watchers: dict[bytes, list[Watcher]] = {}
         self.counters = Counters()
         self._lease_ids = itertools.count(1)
+        self._deferred: SlotMoves | None = None  # the bytes moves of the allocation in progress
+
+    @contextlib.contextmanager
+    def _deferred_copies(self) -> Iterator[None]:
+        """Demotions inside this block record their copies and run them at its end, adjacent slots
+        as one copy; a block demoted and then dropped inside it is never copied (a small DRAM
+        tier turns over many times while a large put makes room). Nothing reads or hands out the
+        destinations before the end: eviction only moves device -> DRAM."""
+        self._deferred = {}
+        try:
+            yield
+        finally:  # the bookkeeping already says the blocks moved: the bytes must follow, always
+            moves, self._deferred = self._deferred, None
+            copy_slots(self.tiers, moves)
 
     # -- helpers ---------------------------------------------------------------------------
     def _lease_s(self, lease_ms: int) -> float:
@@ -89,6 +104,8 @@ class BlockStore:
 
     # -- eviction --------------------------------------------------------------------------
     def _drop(self, entry: Entry) -> None:
+        if self._deferred:
+            self._deferred.pop((entry.tier, entry.slot), None)  # demoted in this batch: never copied
         self.evictable[entry.tier].discard(entry.key)
         self.tiers[entry.tier].allocator.free(entry.slot)
         del self.entries[entry.key]
@@ -112,7 +129,11 @@ class BlockStore:
 
     def _move(self, entry: Entry, tier: str) -> None:
         [slot] = self._take_slots(tier, 1)
-        copy_slot(self.tiers[entry.tier], entry.slot, self.tiers[tier], slot)
+        if self._deferred is None:
+            copy_slot(self.tiers[entry.tier], entry.slot, self.tiers[tier], slot)
+        else:
+            here = (entry.tier, entry.slot)
+            self._deferred[(tier, slot)] = self._deferred.pop(here, here)
         self.tiers[entry.tier].allocator.free(entry.slot)
         self.evictable[entry.tier].discard(entry.key)
         entry.tier, entry.slot = tier, slot
@@ -150,8 +171,9 @@ class BlockStore:
                 f"(the rest are pinned by readers or writers); retry later"
             )
         n_dev = min(n, room_dev)
-        slots = [(DEVICE, s) for s in self._take_slots(DEVICE, n_dev)]
-        return slots + [(DRAM, s) for s in self._take_slots(DRAM, n - n_dev)]
+        with self._deferred_copies():
+            slots = [(DEVICE, s) for s in self._take_slots(DEVICE, n_dev)]
+            return slots + [(DRAM, s) for s in self._take_slots(DRAM, n - n_dev)]
 
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
