@@ -1,4 +1,4 @@
-"""The command-line contract: `pdserve generate --local` and `pdserve bench engine --json`."""
+"""The command-line contract: `pdserve generate --local`, `pdserve bench engine --json` and `bench kvstore --json`."""
 
 from __future__ import annotations
 
@@ -55,3 +55,18 @@ def test_bench_engine_json_format():
     for t in doc["targets"]:
         assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
         assert t["met"] == (t["value"] >= t["target"])
+
+
+def test_bench_kvstore_json_format(shared_redis_url):
+    out = pdserve("bench", "kvstore", "--json", "--layouts", "tiny", "--tokens", "64", "1024", "--repeats", "1",
+                  "--redis-url", shared_redis_url)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [(r["layout"], r["tokens"], r["blocks"]) for r in doc["rows"]] == [("tiny", 64, 4), ("tiny", 1024, 64)]
+    assert [(r["tokens"], r["blocks"]) for r in doc["full_store_tiny"]] == [(64, 4), (1024, 64)]
+    assert all(r["allocate_p50_ms"] > 0 for r in doc["full_store_tiny"])
+    assert [t["name"] for t in doc["targets"]] == [
+        "store_put_vs_raw_min_ge1024", "store_get_vs_raw_min_ge1024", "control_plane_per_call_p50_max"]
+    for t in doc["targets"]:
+        assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
+        assert t["met"] == (t["value"] >= t["target"] if t["comparison"] == ">=" else t["value"] <= t["target"])

@@ -128,6 +128,35 @@ def test_making_room_never_evicts_blocks_of_the_same_put(small_store, shared_red
     assert tiers_in_redis(shared_redis_url, key_prefix, 1, list(want), expect=want) == want
 
 
+def test_a_handoff_hold_pins_its_blocks_until_released_or_lapsed(small_store):
+    """hold_ms > 0: the blocks present or written by the put stay pinned for their reader under a
+    hold lease, until it is released, the writer fails (releases its write lease uncommitted), or
+    it lapses hold_ms after the last commit."""
+    c = LocalClient(small_store.address)
+    c.put(1, [0, 1])
+    pinned = lambda: (tier_stats(c.stats())["device"]["pinned"], c.stats().active_leases)  # noqa: E731
+    alloc = c.call(StoreClient.allocate, [block_hash(1, i) for i in range(4)], "", "h1", 0, True, 5000)
+    assert [s.state for s in alloc.slots] == [pb.SLOT_STATE_PRESENT] * 2 + [pb.SLOT_STATE_WRITE] * 2
+    assert alloc.hold_lease_id and pinned() == (4, 2)  # the hold's 4, the writer's 2 of them
+    c.call(StoreClient.commit, alloc.lease_id)
+    assert pinned() == (4, 1)
+    # The device is full and all of it held: a new put spills to DRAM, evicting nothing here.
+    c.put(2, [0])
+    assert tier_stats(c.stats())["device"] == {"used": 4, "pinned": 4, "evictions": 0}
+    assert c.call(StoreClient.release, alloc.hold_lease_id).unpinned == 4
+    assert pinned() == (0, 0)
+    # A writer that fails takes its hold with it.
+    failed = c.call(StoreClient.allocate, [block_hash(3, 0), block_hash(1, 0)], "", "h2", 0, True, 5000)
+    assert pinned() == (2, 2)
+    assert c.call(StoreClient.release, failed.lease_id).reclaimed == 1
+    assert pinned() == (0, 0)
+    # Nobody releases it: it lapses hold_ms after the last commit.
+    lapsing = c.call(StoreClient.allocate, [block_hash(1, 0)], "", "h3", 0, True, 300)
+    assert lapsing.hold_lease_id and pinned() == (1, 1)
+    time.sleep(0.7)
+    assert pinned() == (0, 0)
+
+
 def test_pinned_blocks_survive_and_full_store_refuses(small_store):
     c = LocalClient(small_store.address)
     c.put(2, [0, 1, 2, 3])

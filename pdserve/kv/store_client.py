@@ -56,6 +56,7 @@ def slot_from_pb(m: pb.Slot) -> SlotInfo:
 class Allocation:
     lease_id: str
     slots: list[SlotInfo]  # one per hash, then the tail's
+    hold_lease_id: str = ""  # the store's hold on these blocks for their reader (allocate's hold_ms)
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,13 @@ class StoreClient:
 
     # -- transfer-engine path ---------------------------------------------------------------
     async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
-                       lease_ms: int = 0, writer_keeps_copy: bool = False) -> Allocation:
-        """writer_keeps_copy: these blocks stay in our own cache too (see AllocatePutRequest)."""
+                       lease_ms: int = 0, writer_keeps_copy: bool = False, hold_ms: int = 0) -> Allocation:
+        """writer_keeps_copy: these blocks stay in our own cache too; hold_ms > 0: a handoff, the
+        store holds the blocks for their reader (see AllocatePutRequest)."""
         resp = await self._control.call("allocate_put", pb.AllocatePutRequest(
             profile=self.profile_pb, block_hashes=hashes, tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id, writer_keeps_copy=writer_keeps_copy), self.timeout_s)
-        return Allocation(resp.lease_id, slots_from_pb(resp.slots))
+            request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms), self.timeout_s)
+        return Allocation(resp.lease_id, slots_from_pb(resp.slots), resp.hold_lease_id)
 
     async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
         """Write the blocks whose slot says WRITE; returns the slices used."""

@@ -71,30 +71,34 @@ class InfoResponse(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
-    __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy")
+    __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy", "hold_ms")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WRITER_KEEPS_COPY_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tail_key: str
     lease_ms: int
     request_id: str
     writer_keeps_copy: bool
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_keeps_copy: _Optional[bool] = ...) -> None: ...
+    hold_ms: int
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_keeps_copy: _Optional[bool] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class AllocatePutResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "lease_deadline_unix_ms")
+    __slots__ = ("lease_id", "slots", "lease_deadline_unix_ms", "hold_lease_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     slots: SlotList
     lease_deadline_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    hold_lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., hold_lease_id: _Optional[str] = ...) -> None: ...
 
 class CommitPutRequest(_message.Message):
     __slots__ = ("lease_id", "keys", "tail_ttl_ms")

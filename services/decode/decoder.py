@@ -46,6 +46,7 @@ class FirstToken:
     logprob: float
     block_hashes: list[bytes]
     checksums: list[int]
+    hold_lease_id: str = ""  # the store's hold on the prompt's blocks: released once they are pulled
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ class Decoder:
             if not pull.done():
                 pull.cancel()
                 await asyncio.gather(pull, return_exceptions=True)
+            if entry.first.done() and entry.first.result().hold_lease_id:
+                self.w.store.release_soon(entry.first.result().hold_lease_id)  # pulled, or never will be
         first: FirstToken = entry.first.result()
         if list(first.block_hashes) != list(res.prompt_hashes):
             raise InvalidArgument("prefill's block hashes do not match this request's prompt")

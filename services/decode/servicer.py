@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.errors import InvalidArgument
+from pdserve.errors import InvalidArgument, NotFound
 from pdserve.serving.bootstrap import Worker
 from pdserve.serving.validate import request_basics
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -32,8 +32,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         p = request.prefill
         if not request.request_id or request.request_id != p.request_id:
             raise InvalidArgument("FirstToken: request_id must be set and match the prefill response")
-        self.decoder.deliver_first_token(request.request_id, FirstToken(
-            p.first_token.token_id, p.first_token.logprob, list(p.block_hashes), list(p.kv_checksums)))
+        first = FirstToken(p.first_token.token_id, p.first_token.logprob, list(p.block_hashes),
+                           list(p.kv_checksums), p.kv_hold_lease_id)
+        try:
+            self.decoder.deliver_first_token(request.request_id, first)
+        except NotFound:
+            if first.hold_lease_id:  # nobody here will pull those blocks: let the store have them back
+                self.w.store.release_soon(first.hold_lease_id)
+            raise
         return decode_pb2.FirstTokenResponse()
 
     async def Cancel(self, request, context):

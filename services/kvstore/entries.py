@@ -71,12 +71,15 @@ class SlotRef(NamedTuple):  # one per block per call: a tuple builds fastest
 @dataclass
 class Lease:
     lease_id: str
-    kind: str  # "read" | "write"
+    kind: str  # "read" | "write" | "hold" (a handoff's blocks, pinned for the request's reader)
     deadline: float
     request_id: str
     pinned: list[bytes] = field(default_factory=list)  # read: keys pinned; write: keys still uncommitted
     all_keys: set[bytes] = field(default_factory=set)  # write: every key the put named
     watching: bool = False  # a live Watch stream keeps it from lapsing
+    hold_id: str = ""  # write: the hold on this put's blocks, if any
+    held: list[Entry] = field(default_factory=list)  # hold: the entries it pinned (a dropped one is skipped)
+    hold_s: float = 0.0  # hold: how long it outlives the put's last commit
 
 
 @dataclass

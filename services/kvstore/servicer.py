@@ -68,9 +68,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def AllocatePut(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id,
-                                              request.writer_keeps_copy)
+                                              request.writer_keeps_copy, request.hold_ms)
         return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
-                                      lease_deadline_unix_ms=_unix_ms(lease.deadline))
+                                      lease_deadline_unix_ms=_unix_ms(lease.deadline), hold_lease_id=lease.hold_id)
 
     async def CommitPut(self, request, context):
         keys = list(request.keys) or None

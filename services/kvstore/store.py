@@ -177,13 +177,18 @@ class BlockStore:
 
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
-                     request_id: str, writer_keeps_copy: bool = False) -> tuple[Lease, list[SlotRef]]:
+                     request_id: str, writer_keeps_copy: bool = False,
+                     hold_ms: int = 0) -> tuple[Lease, list[SlotRef]]:
         """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING.
 
         writer_keeps_copy: new blocks are copies of the writer's cache, evicted before any other
         block (oldest copies first). Otherwise (an offload, or any other put) new blocks and
         blocks already here are the most recently used, and no longer copies: the writer let go.
-        Either way the blocks already here count as used now."""
+        Either way the blocks already here count as used now.
+
+        hold_ms > 0 (a handoff): the blocks present or written here stay pinned under a hold
+        lease (`lease.hold_id`) until it is released or lapses, hold_ms after the last commit;
+        releasing the write lease uncommitted (the writer failed) releases the hold too."""
         if tail_key is not None and tail_key in self.entries:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
         if len(set(hashes)) != len(hashes):
@@ -216,6 +221,13 @@ class BlockStore:
                 refs.append(self.slot_ref(entry, SlotState.PRESENT))
             else:
                 refs.append(self.slot_ref(entry, SlotState.PENDING))
+        if hold_ms > 0:
+            hold = self._new_lease("hold", hold_ms, request_id)
+            hold.hold_s = hold_ms / 1000
+            hold.held = [self.entries[h] for h in hashes if h in placed or self.entries[h].committed]
+            for entry in hold.held:
+                self._pin(entry)
+            lease.hold_id = hold.lease_id
         if not lease.pinned:
             self._close(lease)
         return lease, refs
@@ -253,6 +265,9 @@ class BlockStore:
             self._notify(entry)
         if done:
             lease.pinned = [k for k in lease.pinned if k not in done]
+        hold = self.leases.get(lease.hold_id)
+        if hold is not None:
+            hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
         count = len(done)
         closed = not lease.pinned
         if closed:
@@ -361,6 +376,14 @@ class BlockStore:
             raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
         self._close(lease)
         unpinned = reclaimed = 0
+        if lease.kind == "hold":
+            for entry in lease.held:
+                if self.entries.get(entry.key) is entry:  # not dropped (its writer failed) since
+                    self._unpin(entry)
+                    unpinned += 1
+            return unpinned, 0
+        if lease.kind == "write" and lease.hold_id in self.leases:
+            self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
         for key in lease.pinned:
             entry = self.entries.get(key)
             if entry is None:

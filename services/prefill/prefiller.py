@@ -40,6 +40,7 @@ class PrefillOutput:
     block_hashes: list[bytes]
     tail_key: str
     checksums: list[int]  # one per prompt block, the tail included
+    kv_hold_lease_id: str  # the store's hold on the prompt's blocks, released by the decode that pulls them
     cached_local: int
     cached_store: int
     computed: int
@@ -77,6 +78,7 @@ class Prefiller:
         t0 = time.perf_counter()
         stream = w.engine.open_stream(rid)
         alloc: Allocation | None = None
+        hold = ""
         renewal: asyncio.Task | None = None
         try:
             try:
@@ -89,7 +91,11 @@ class Prefiller:
             await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
             t_loaded = time.perf_counter()
             tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
-            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms, writer_keeps_copy=True)
+            # Held for the decode until it has pulled them: a decode that starts reading late
+            # must not find them evicted (handoff copies are the first to go once unpinned).
+            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms, writer_keeps_copy=True,
+                                           hold_ms=w.cfg.tail_ttl_ms)
+            hold = alloc.hold_lease_id
             renewal = w.store.keep_alive(alloc.lease_id, w.cfg.lease_ms)
             pages = res.block_table[: n_full + (1 if tail_key else 0)]
             shipped, write_s, checksums = 0, 0.0, []
@@ -113,8 +119,10 @@ class Prefiller:
             # Abort even when `reserve` was still in flight as we were cancelled: the engine runs
             # commands in order, so this abort follows it (and is a no-op for unknown ids).
             await asyncio.shield(w.engine.call(lambda e: e.abort(rid)))
-            if alloc is not None:
+            if alloc is not None:  # the store releases the hold with it
                 await asyncio.shield(w.store._release_quietly(alloc.lease_id))
+            elif hold:
+                await asyncio.shield(w.store._release_quietly(hold))
             raise
         finally:
             if renewal is not None:
@@ -125,7 +133,7 @@ class Prefiller:
         cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
         local = min(n_local * bs, cached)
         return PrefillOutput(
-            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, checksums,
+            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, checksums, hold,
             cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
             timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
