@@ -4,7 +4,8 @@
    it hid behind compute), and decode's wait for the KV, for several prompt lengths.
 2. ITL of N running decodes while long prompts keep arriving: (a) disaggregated, a prefill and a
    decode worker with one core each; (b) one colocated worker with both cores; plus the same
-   decodes with no prompts arriving. All in the same run, on the same machine.
+   decodes with no prompts arriving, idle and loaded runs alternating `--rounds` times (each
+   mode's gaps pooled). All in the same run, on the same machine.
 
 Disaggregation puts prefill and decode on different machines; on one small machine the bench
 stands in for that by pinning (`--pin`, on when there are two CPUs or more): the prefill worker
@@ -183,8 +184,23 @@ async def itl_under_load(mode: str, prefill_addr: str, decode_addr: str, args) -
         stop.set()
         sent = await interferer if interferer else 0
         await asyncio.gather(*in_flight)  # every long prompt finishes before the channels close
-        return {"mode": mode, "itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99), "itl_samples": len(gaps),
-                "long_prompts_sent": sent}
+        return {"mode": mode, "gaps": gaps, "long_prompts_sent": sent}
+
+
+def itl_rounds(modes: list[str], prefill_addr: str, decode_addr: str, args) -> list[dict]:
+    """Run the modes in turn, `args.rounds` times, and pool each mode's gaps: a shared machine's
+    speed drifts over a run, and alternating exposes every mode to the same drift."""
+    gaps: dict[str, list[float]] = {m: [] for m in modes}
+    rounds_p99: dict[str, list[float]] = {m: [] for m in modes}
+    sent = dict.fromkeys(modes, 0)
+    for _ in range(args.rounds):
+        for m in modes:
+            r = asyncio.run(itl_under_load(m, prefill_addr, decode_addr, args))
+            gaps[m] += r["gaps"]
+            rounds_p99[m].append(round(pct(r["gaps"], 99), 2))
+            sent[m] += r["long_prompts_sent"]
+    return [{"mode": m, "itl_p50_ms": pct(gaps[m], 50), "itl_p99_ms": pct(gaps[m], 99), "itl_samples": len(gaps[m]),
+             "long_prompts_sent": sent[m], "rounds_p99_ms": rounds_p99[m]} for m in modes]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -210,12 +226,10 @@ def run(args: argparse.Namespace) -> None:
             os.sched_setaffinity(0, {cpus[1]})
         ttft = asyncio.run(ttft_breakdown(pre.address, dec.address, args.lengths, args.repeats))
         reuse = asyncio.run(prefix_reuse(pre.address, dec.address, args.reuse_tokens, args.repeats))
-        itl = [asyncio.run(itl_under_load("disagg_idle", pre.address, dec.address, args)),
-               asyncio.run(itl_under_load("disagg", pre.address, dec.address, args))]
+        itl = itl_rounds(["disagg_idle", "disagg"], pre.address, dec.address, args)
         os.sched_setaffinity(0, everywhere)
         colo = procs.start("services.decode", *worker, "--threads", "2")
-        itl += [asyncio.run(itl_under_load("colocated_idle", "", colo.address, args)),
-                asyncio.run(itl_under_load("colocated", "", colo.address, args))]
+        itl += itl_rounds(["colocated_idle", "colocated"], "", colo.address, args)
     finally:
         os.sched_setaffinity(0, everywhere)
         procs.stop()
@@ -224,7 +238,7 @@ def run(args: argparse.Namespace) -> None:
     by = {r["mode"]: r for r in itl}
     figures = {"ttft": ttft, "prefix_reuse": reuse, "itl": itl, "decodes": args.decodes,
                "decode_tokens": args.decode_tokens, "interfere_tokens": args.interfere_tokens,
-               "interfere_every_s": args.interfere_every_s, "warmup_prompts": args.warmup,
+               "interfere_every_s": args.interfere_every_s, "warmup_prompts": args.warmup, "rounds": args.rounds,
                "pinned": {"prefill_and_store_cpu": cpus[0], "decode_and_client_cpu": cpus[1]} if pinned else None}
     targets = [Target("disagg_itl_p99_vs_idle", by["disagg"]["itl_p99_ms"] / by["disagg_idle"]["itl_p99_ms"], "x",
                       1.3, "<="),
@@ -238,7 +252,8 @@ def run(args: argparse.Namespace) -> None:
                  f"{reuse['cached90_ttft_ms']:.1f} ms ({reuse['cached_tokens']:.0f} tokens reused), "
                  f"ratio {reuse['ratio']:.3f}")
     lines += [f"ITL {r['mode']:<15} p50 {r['itl_p50_ms']:6.2f} ms  p99 {r['itl_p99_ms']:7.2f} ms  "
-              f"({r['itl_samples']} gaps, {r['long_prompts_sent']} long prompts)" for r in itl]
+              f"({r['itl_samples']} gaps, {r['long_prompts_sent']} long prompts; p99 by round "
+              f"{', '.join(f'{x:.1f}' for x in r['rounds_p99_ms'])})" for r in itl]
     emit(figures, targets, args.json, lines)
 
 
@@ -252,6 +267,8 @@ def add_parser(sub) -> None:
     p.add_argument("--interfere-tokens", type=int, default=2048)
     p.add_argument("--interfere-every-s", type=float, default=0.5)
     p.add_argument("--warmup", type=int, default=2, help="long prompts sent (untimed) before each loaded ITL run")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="ITL: idle and loaded runs alternate this many times; each mode's gaps are pooled")
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                    help="disaggregated runs: prefill + store on one CPU, decode + this client on another")
