@@ -64,6 +64,7 @@ def test_bench_kvstore_json_format(shared_redis_url):
     doc = json.loads(out.stdout)
     assert [(r["layout"], r["tokens"], r["blocks"]) for r in doc["rows"]] == [("tiny", 64, 4), ("tiny", 1024, 64)]
     assert [(r["tokens"], r["blocks"]) for r in doc["full_store_tiny"]] == [(64, 4), (1024, 64)]
+    assert all(r["raw_write_gbps"] > 0 and r["raw_polled_read_gbps"] > 0 for r in doc["rows"])
     assert all(r["allocate_p50_ms"] > 0 for r in doc["full_store_tiny"])
     assert [t["name"] for t in doc["targets"]] == [
         "store_put_vs_raw_min_ge1024", "store_get_vs_raw_min_ge1024", "control_plane_per_call_p50_max"]

@@ -7,6 +7,7 @@ remotely moves as one slice: at ~45 µs per slice here, coalescing is what makes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,12 @@ import torch
 
 class TransferError(RuntimeError):
     pass
+
+
+# What an async submit returns when it could not start (0, or -1 as the engine's unsigned batch id).
+_NO_BATCH = (0, -1, 2**64 - 1)
+# Polling a transfer: first after 20 µs, then twice as long each time, at most 0.2 ms apart.
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-4
 
 
 @dataclass(frozen=True)
@@ -81,19 +88,36 @@ class Transfer:
         return self._move(peer, spans, write=True)
 
     def _move(self, peer: str, spans: Sequence[Span], write: bool) -> int:
+        """Submit each slice as a batch of its own, then poll them, sleeping between polls. The
+        engine's sync calls spin on the status for the whole move: a CPU's worth of work that,
+        on a shared core, the engine step or the prefill beside it would lose."""
         merged = coalesce(spans)
         if not merged:
             return 0
-        local = [s.local for s in merged]
-        remote = [s.remote for s in merged]
-        sizes = [s.nbytes for s in merged]
-        if len(merged) == 1:
-            fn = self.engine.transfer_sync_write if write else self.engine.transfer_sync_read
-            rc = fn(peer, local[0], remote[0], sizes[0])
-        else:
-            fn = self.engine.batch_transfer_sync_write if write else self.engine.batch_transfer_sync_read
-            rc = fn(peer, local, remote, sizes)
-        if rc != 0:
-            raise TransferError(f"transfer {'to' if write else 'from'} {peer} failed (rc={rc}, "
-                                f"{len(merged)} slices, {sum(sizes)} bytes)")
+        submit = self.engine.batch_transfer_async_write if write else self.engine.batch_transfer_async_read
+        pending: list[int] = []
+        errors: list[str] = []
+        for s in merged:
+            batch = submit(peer, [s.local], [s.remote], [s.nbytes])
+            if batch in _NO_BATCH:
+                errors.append("submit refused")
+                break
+            pending.append(batch)
+        delay = _POLL_FIRST_S
+        while pending:
+            waiting = []
+            for batch in pending:
+                status = self.engine.transfer_check_status(batch)  # 1 done, 0 running, -1 failed, -2 timed out
+                if status == 0:
+                    waiting.append(batch)
+                elif status != 1:
+                    errors.append("failed" if status == -1 else "timed out")
+            pending = waiting
+            if pending:
+                time.sleep(delay)
+                delay = min(2 * delay, _POLL_MAX_S)
+        if errors:
+            what = ", ".join(sorted(set(errors)))
+            raise TransferError(f"transfer {'to' if write else 'from'} {peer} failed ({what}; {len(merged)} slices, "
+                                f"{sum(s.nbytes for s in merged)} bytes)")
         return len(merged)

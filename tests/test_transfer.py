@@ -1,0 +1,43 @@
+"""The data plane on its own: two real transfer engines in this process, moving registered memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kv.transfer import Span, Transfer, TransferError
+
+
+@pytest.fixture(scope="module")
+def engines():
+    a, b = Transfer(), Transfer()
+    yield a, b
+    a.unregister_all()
+    b.unregister_all()
+
+
+def test_slices_move_bit_exact_both_ways_and_adjacent_ones_as_one(engines):
+    a, b = engines
+    theirs = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    ours = torch.zeros_like(theirs)
+    a.register(theirs)
+    b.register(ours)
+    at, ot = theirs.data_ptr(), ours.data_ptr()
+    spans = [Span(ot, at, 4096), Span(ot + 4096, at + 4096, 4096), Span(ot + 65536, at + 131072, 8192)]
+    assert b.read(a.segment, spans) == 2  # the first two are adjacent on both sides
+    assert torch.equal(ours[:8192], theirs[:8192]) and torch.equal(ours[65536:73728], theirs[131072:139264])
+    assert int(ours[8192:65536].count_nonzero()) == 0 and int(ours[73728:].count_nonzero()) == 0
+    ours.fill_(7)
+    assert b.write(a.segment, [Span(ot + 100, at + 500_000, 3000)]) == 1
+    assert int((theirs[500_000:503_000] == 7).sum()) == 3000
+    assert b.read(a.segment, []) == 0
+
+
+def test_a_failed_transfer_raises_with_its_cause(engines):
+    a, b = engines
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    b.register(buf)
+    with pytest.raises(TransferError, match=r"failed \(failed; 1 slices, 4096 bytes\)"):
+        b.read(a.segment, [Span(buf.data_ptr(), 12345678, 4096)])  # not memory the peer registered
+    with pytest.raises(TransferError, match=r"127\.0\.0\.1:1 failed \(submit refused"):
+        b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
