@@ -7,6 +7,8 @@ one transfer-engine slice (DESIGN.md: ~45 µs per slice here; coalescing is what
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +109,38 @@ def copy_slot(src: TierMemory, src_slot: int, dst: TierMemory, dst_slot: int) ->
 
 # (tier, slot) the bytes go to -> (tier, slot) they come from.
 SlotMoves = dict[tuple[str, int], tuple[str, int]]
+
+
+class DeferredCopies:
+    """The byte copies of tier moves: at once, or, inside `batch()`, recorded and run together at
+    its end, adjacent slots as one copy; a destination freed inside the batch is never copied to
+    (a small DRAM tier turns over many times while a large put makes room). Nothing may read or
+    hand out a destination before the batch ends: the store batches eviction (device -> DRAM)."""
+
+    def __init__(self, tiers: dict[str, TierMemory]):
+        self.tiers = tiers
+        self._moves: SlotMoves | None = None
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        self._moves = {}
+        try:
+            yield
+        finally:  # the bookkeeping already says the blocks moved: the bytes must follow, always
+            moves, self._moves = self._moves, None
+            copy_slots(self.tiers, moves)
+
+    def copy(self, src_tier: str, src_slot: int, dst_tier: str, dst_slot: int) -> None:
+        if self._moves is None:
+            copy_slot(self.tiers[src_tier], src_slot, self.tiers[dst_tier], dst_slot)
+        else:
+            src = (src_tier, src_slot)
+            self._moves[(dst_tier, dst_slot)] = self._moves.pop(src, src)
+
+    def forget(self, tier: str, slot: int) -> None:
+        """The block in this slot is dropped: a copy into it still pending is not needed."""
+        if self._moves:
+            self._moves.pop((tier, slot), None)
 
 
 def copy_slots(tiers: dict[str, TierMemory], moves: SlotMoves) -> None:

@@ -15,6 +15,7 @@ from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
 from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, SlotState
+from services.kvstore.views import tier_stats
 
 log = logs.get("kvstore")
 
@@ -198,7 +199,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         c = self.store.counters
         tiers = []
         for tier in (DEVICE, DRAM):
-            s = self.store.tier_stats(tier)
+            s = tier_stats(self.store, tier)
             tiers.append(pb.TierStats(tier=_TIER[tier], promotions=c.promotions if tier == DEVICE else 0, **s))
         return pb.StatsResponse(
             tiers=tiers, hits=c.hits, misses=c.misses, bytes_written=c.bytes_written, bytes_read=c.bytes_read,

@@ -13,16 +13,15 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, Lease, SlotRef, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
-from services.kvstore.memory import SlotMoves, TierMemory, copy_slot, copy_slots
+from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
 
 __all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "SlotState"]
 
@@ -46,20 +45,7 @@ class BlockStore:
         self.watchers: dict[bytes, list[Watcher]] = {}
         self.counters = Counters()
         self._lease_ids = itertools.count(1)
-        self._deferred: SlotMoves | None = None  # the bytes moves of the allocation in progress
-
-    @contextlib.contextmanager
-    def _deferred_copies(self) -> Iterator[None]:
-        """Demotions inside this block record their copies and run them at its end, adjacent slots
-        as one copy; a block demoted and then dropped inside it is never copied (a small DRAM
-        tier turns over many times while a large put makes room). Nothing reads or hands out the
-        destinations before the end: eviction only moves device -> DRAM."""
-        self._deferred = {}
-        try:
-            yield
-        finally:  # the bookkeeping already says the blocks moved: the bytes must follow, always
-            moves, self._deferred = self._deferred, None
-            copy_slots(self.tiers, moves)
+        self.copies = DeferredCopies(self.tiers)  # an allocation's demotions copy in one batch
 
     # -- helpers ---------------------------------------------------------------------------
     def _lease_s(self, lease_ms: int) -> float:
@@ -104,8 +90,7 @@ class BlockStore:
 
     # -- eviction --------------------------------------------------------------------------
     def _drop(self, entry: Entry) -> None:
-        if self._deferred:
-            self._deferred.pop((entry.tier, entry.slot), None)  # demoted in this batch: never copied
+        self.copies.forget(entry.tier, entry.slot)
         self.evictable[entry.tier].discard(entry.key)
         self.tiers[entry.tier].allocator.free(entry.slot)
         del self.entries[entry.key]
@@ -129,11 +114,7 @@ class BlockStore:
 
     def _move(self, entry: Entry, tier: str) -> None:
         [slot] = self._take_slots(tier, 1)
-        if self._deferred is None:
-            copy_slot(self.tiers[entry.tier], entry.slot, self.tiers[tier], slot)
-        else:
-            here = (entry.tier, entry.slot)
-            self._deferred[(tier, slot)] = self._deferred.pop(here, here)
+        self.copies.copy(entry.tier, entry.slot, tier, slot)
         self.tiers[entry.tier].allocator.free(entry.slot)
         self.evictable[entry.tier].discard(entry.key)
         entry.tier, entry.slot = tier, slot
@@ -171,7 +152,7 @@ class BlockStore:
                 f"(the rest are pinned by readers or writers); retry later"
             )
         n_dev = min(n, room_dev)
-        with self._deferred_copies():
+        with self.copies.batch():
             slots = [(DEVICE, s) for s in self._take_slots(DEVICE, n_dev)]
             return slots + [(DRAM, s) for s in self._take_slots(DRAM, n - n_dev)]
 
@@ -414,23 +395,6 @@ class BlockStore:
             self._unpin(entry)
         return len(lapsed)
 
-    # -- views -----------------------------------------------------------------------------
-    def tier_stats(self, tier: str) -> dict:
-        mem = self.tiers[tier]
-        in_tier = [e for e in self.entries.values() if e.tier == tier]
-        return {
-            "capacity_blocks": mem.info.num_slots,
-            "capacity_bytes": mem.nbytes,
-            "used_blocks": len(in_tier),
-            "pinned_blocks": sum(1 for e in in_tier if e.pins > 0),
-            "hits": self.counters.tier_hits[tier],
-            "evictions": self.counters.evictions[tier],
-            "duplicate_blocks": sum(1 for e in in_tier if e.duplicate),
-        }
-
+    # -- views (Stats: see views.py) -------------------------------------------------------
     def committed_blocks(self) -> list[tuple[bytes, str]]:
         return [(e.key, e.tier) for e in self.entries.values() if e.committed and not e.is_tail]
-
-    def tier_of(self, key: bytes) -> str | None:
-        entry = self.entries.get(key)
-        return entry.tier if entry is not None and entry.committed else None

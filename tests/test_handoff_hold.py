@@ -1,0 +1,71 @@
+"""The store holds a handoff's blocks for its decode (AllocatePutRequest.hold_ms), end to end:
+real prefill and decode workers, a real store, Redis and the transfer engine."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.kv.store_client import StoreClient
+from pdserve.v1 import decode_pb2, prefill_pb2
+from tests.support.stack import Stack, run, store_stats, stubs
+from tests.test_disagg import B, expected, prompt, sampling
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return LLMEngine(tiny, EngineConfig(num_blocks=2048))
+
+
+def test_a_decode_that_reads_late_still_finds_its_blocks(shared_redis_url, key_prefix, engine, tiny):
+    """The store holds a handoff's blocks for its decode: here the decode starts only after other
+    puts have filled the store twice over, which would evict them first (handoff copies go first
+    once unpinned), and still gets every block. Once it has pulled them the hold is gone."""
+    s = Stack(shared_redis_url, key_prefix)
+    s.start_store(device_mib=4, dram_mib=4)  # 64 + 64 blocks of the tiny model
+    procs = [s.worker("prefill", "--tail-ttl-ms", "20000").spawn(), s.worker("decode").spawn()]
+    for proc in procs:
+        proc.wait_ready()
+    s.prefills, s.decodes = procs[:1], procs[1:]
+    ids = prompt(40 * B + 5, salt=91)
+    profile = HashProfile(tiny.fingerprint, KVLayout.for_model(tiny.config, B, tiny.dtype))
+    try:
+        async def go():
+            pch, p = stubs(s.prefills[0].address, "prefill")
+            dch, d = stubs(s.decodes[0].address, "decode")
+            async with pch, dch:
+                resp = await p.Prefill(prefill_pb2.PrefillRequest(request_id="late", prompt_token_ids=ids,
+                                                                  sampling=sampling()), timeout=60)
+                assert resp.kv_hold_lease_id
+                other = StoreClient(s.store.address, profile, timeout_s=30)
+                for fill in range(2):  # 40 held + 1 tail + 80 fit in 128; the second 80 must make room
+                    hashes = [bytes([fill, i]) * 8 for i in range(80)]
+                    await other.put_bytes(hashes, bytes(80 * profile.layout.block_nbytes))
+                await other.close()
+                call = d.Generate(decode_pb2.DecodeRequest(
+                    request_id="late", prompt_token_ids=ids, sampling=sampling(),
+                    mode=decode_pb2.DECODE_MODE_DISAGGREGATED, prefill_timeout_ms=5000), timeout=30)
+                assert (await call.read()).HasField("admitted")
+                await d.FirstToken(decode_pb2.FirstTokenRequest(request_id="late", prefill=resp), timeout=10)
+                tokens = [resp.first_token.token_id]
+                while (ev := await call.read()) is not grpc.aio.EOF:
+                    if ev.HasField("token") and ev.token.index > 0:
+                        tokens.append(ev.token.token_id)
+                return tokens
+
+        assert run(go()) == expected(engine, ids)
+        deadline = time.time() + 3.0
+        while time.time() < deadline and run(store_stats(s.store.address)).active_leases:
+            time.sleep(0.1)
+        st = run(store_stats(s.store.address))
+        assert (st.active_leases, sum(t.pinned_blocks for t in st.tiers)) == (0, 0)
+        # The second fill: 23 device blocks demoted (16 DRAM drops for them), then 57 more DRAM
+        # drops for its spill; the decode read the tail, which is gone.
+        assert [(t.used_blocks, t.evictions) for t in st.tiers] == [(63, 23), (64, 73)]
+    finally:
+        s.stop()
