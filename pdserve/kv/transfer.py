@@ -18,8 +18,8 @@ class TransferError(RuntimeError):
     pass
 
 
-# What an async submit returns when it could not start (0, or -1 as the engine's unsigned batch id).
-_NO_BATCH = (0, -1, 2**64 - 1)
+# What an async submit returns when it could not start: 0, or -1 as the engine's unsigned batch id.
+_NO_BATCH = (0, 2**64 - 1)
 # Polling a transfer: first after 20 µs, then twice as long each time, at most 0.2 ms apart.
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-4
 

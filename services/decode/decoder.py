@@ -192,8 +192,9 @@ class Decoder:
             if not pull.done():
                 pull.cancel()
                 await asyncio.gather(pull, return_exceptions=True)
-            if entry.first.done() and entry.first.result().hold_lease_id:
-                self.w.store.release_soon(entry.first.result().hold_lease_id)  # pulled, or never will be
+            hold = entry.first.result().hold_lease_id if entry.first.done() else ""
+            if hold:
+                self.w.store.release_soon(hold)  # pulled, or never will be
         first: FirstToken = entry.first.result()
         if list(first.block_hashes) != list(res.prompt_hashes):
             raise InvalidArgument("prefill's block hashes do not match this request's prompt")
