@@ -1,25 +1,29 @@
-"""The store's Control stream (the control calls as messages on one stream per client), over
-real gRPC, the real transfer engine and real Redis, the store in its own process."""
+"""The store's control socket (the control calls as frames on one TCP connection per client),
+against the unary gRPC calls, with the real transfer engine and real Redis, the store in its own
+process."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import grpc
 import pytest
 
-from pdserve.kv.store_client import StoreClient
+from pdserve.kv.control_frames import FrameReader, frame
+from pdserve.kv.store_client import StoreClient, grpc_host
+from pdserve.launch import free_port
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_hash
 from tests.kvstore_support import LocalClient, start_store, tier_stats
 
 
-def test_control_stream_answers_as_the_unary_calls_and_outlives_their_errors(small_store):
-    """StoreClient's control calls ride one Control stream: each failure comes back with the code
-    and message of the unary call, the stream goes on serving, and calls made at once from many
-    coroutines each get their own answer."""
+def test_control_socket_answers_as_the_unary_calls_and_outlives_their_errors(small_store):
+    """StoreClient's control calls ride one control connection: each failure comes back with the
+    code and message of the unary call, the connection goes on serving, and calls made at once
+    from many coroutines each get their own answer."""
     c = LocalClient(small_store.address)
     for i in range(3):
         c.put(7, [i])  # blocks (7, 0..2) stored
@@ -43,32 +47,22 @@ def test_control_stream_answers_as_the_unary_calls_and_outlives_their_errors(sma
         assert stream == unary
         assert [code for code, _ in stream] == [grpc.StatusCode.INVALID_ARGUMENT, *[grpc.StatusCode.NOT_FOUND] * 3]
 
-        # The stream still serves, and 30 calls in flight at once each get their own answer.
+        # The connection still serves, and 30 calls in flight at once each get their own answer.
         chains = [[block_hash(7, i) for i in range(k % 3 + 1)] + [block_hash(8, k)] for k in range(30)]
         pins = await asyncio.gather(*(client.pin(chain) for chain in chains))
         assert [len(p.slots) for p in pins] == [k % 3 + 1 for k in range(30)]
         assert len({p.lease_id for p in pins}) == 30
         released = await asyncio.gather(*(client.release(p.lease_id) for p in pins))
         assert [r.unpinned for r in released] == [k % 3 + 1 for k in range(30)]
-        # A call cancelled in flight leaves nothing waiting on the stream (its pin, if the store
-        # made it, lapses with its lease).
+        # A call cancelled in flight leaves nothing waiting on the connection (its pin, if the
+        # store made it, lapses with its lease).
         task = asyncio.ensure_future(client.pin(chains[0]))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert (await client.pin([block_hash(8, 0)])).lease_id == ""
-        assert client._control._stream.pending == {}
-
-        # A message that names no call is refused on its own; the stream goes on.
-        call = client.stub.Control()
-        await call.write(pb.ControlRequest(call_id=41))
-        await call.write(pb.ControlRequest(call_id=42, release_lease=pb.ReleaseLeaseRequest(lease_id="r999")))
-        first, second = await call.read(), await call.read()
-        assert (first.call_id, first.status_code) == (41, grpc.StatusCode.INVALID_ARGUMENT.value[0])
-        assert first.status_message == "Control: the message names no call"
-        assert (second.call_id, second.status_code) == (42, grpc.StatusCode.NOT_FOUND.value[0])
-        call.cancel()
+        assert client._control._conn.pending == {}
 
     c.call(scenario)
     deadline = time.monotonic() + 1.0 + 2.0  # lease + 2 s
@@ -87,10 +81,81 @@ def test_control_calls_fail_unavailable_when_the_store_dies(shared_redis_url, ke
             assert first.lease_id == ""  # nothing stored: nothing pinned
             store.proc.send_signal(signal.SIGKILL)
             store.proc.wait()
-            for _ in range(2):  # on the broken stream, then on a new one to a dead address
+            for _ in range(2):  # on the broken connection, then on a new one to a dead address
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await client.pin([block_hash(9, 0)])
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        c.call(scenario)
+    finally:
+        store.stop()
+
+
+def _raw_connection(store) -> tuple[socket.socket, int]:
+    info = LocalClient(store.address).call(StoreClient.connect)
+    return socket.create_connection((grpc_host(store.address), info.control_port), timeout=10), info.control_port
+
+
+def _answers(sock: socket.socket, count: int) -> list[pb.ControlResponse]:
+    reader, out = FrameReader(), []
+    while len(out) < count:
+        data = sock.recv(65536)
+        assert data, "the store closed the connection"
+        out += [pb.ControlResponse.FromString(p) for p in reader.feed(data)]
+    return out
+
+
+def test_unreadable_frames_end_only_their_connection(small_store):
+    """A frame naming no call is refused on its own and the connection goes on; a frame over the
+    size limit, or one that is not a ControlRequest, has no call id to answer: the store ends
+    that connection and goes on serving every other."""
+    sock, _ = _raw_connection(small_store)
+    sock.sendall(frame(pb.ControlRequest(call_id=41))
+                 + frame(pb.ControlRequest(call_id=42, release_lease=pb.ReleaseLeaseRequest(lease_id="r999"))))
+    first, second = _answers(sock, 2)
+    assert (first.call_id, first.status_code) == (41, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    assert first.status_message == "control: the message names no call"
+    assert (second.call_id, second.status_code) == (42, grpc.StatusCode.NOT_FOUND.value[0])
+    assert second.status_message == "lease 'r999' is unknown or lapsed"
+
+    oversized = (1 << 31).to_bytes(4, "little")
+    garbage = len(b"\xff\xff\xff").to_bytes(4, "little") + b"\xff\xff\xff"
+    for bad in (oversized, garbage):
+        other, _ = _raw_connection(small_store)
+        other.sendall(bad)
+        assert other.recv(65536) == b""  # closed by the store, nothing answered
+        other.close()
+    # The first connection and new clients are served as before.
+    sock.sendall(frame(pb.ControlRequest(call_id=43, release_lease=pb.ReleaseLeaseRequest(lease_id="r998"))))
+    [third] = _answers(sock, 1)
+    assert (third.call_id, third.status_code) == (43, grpc.StatusCode.NOT_FOUND.value[0])
+    sock.close()
+    c = LocalClient(small_store.address)
+    c.put(5, [0])
+    s = c.stats()
+    assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
+
+
+def test_a_client_finds_a_restarted_store_at_its_new_control_port(shared_redis_url, key_prefix):
+    """The store restarts on the same gRPC address, its control socket (and transfer-engine
+    segment) elsewhere: the client's next call, after the old connection broke, asks again where
+    they are and is served by the new store."""
+    port = free_port()
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4, extra=("--port", str(port)))
+    try:
+        c = LocalClient(store.address)
+
+        async def scenario(client: StoreClient):
+            nonlocal store
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            first_port, first_segment = client._control._conn.transport.get_extra_info("peername")[1], client.segment
+            store.stop()
+            store = start_store(shared_redis_url, key_prefix + "b", device_blocks=4, dram_blocks=4,
+                                extra=("--port", str(port)))
+            await asyncio.sleep(0.2)  # the old connection's end reaches the client
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            new_port = client._control._conn.transport.get_extra_info("peername")[1]
+            assert new_port != first_port and client.segment != first_segment
 
         c.call(scenario)
     finally:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import grpc
 
 from pdserve import logs
-from pdserve.kv.control_stream import ControlStream
+from pdserve.kv.control_channel import ControlChannel, rpc_error
 from pdserve.kv.layout import HashProfile
 from pdserve.kv.transfer import Span, Transfer
 from pdserve.server import channel
@@ -39,6 +39,18 @@ class SlotInfo(NamedTuple):  # one per block per call: a tuple builds 3x faster 
     address: int
     tier: int  # pb.Tier
     state: int  # pb.SlotState
+
+
+def grpc_host(target: str) -> str:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port", "ipv4:host:port")."""
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    if target.startswith("["):
+        return target[1 : target.index("]")]
+    host, sep, _ = target.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"store address {target!r} is not host:port")
+    return host
 
 
 def slots_from_pb(m: pb.SlotList) -> list[SlotInfo]:
@@ -88,12 +100,20 @@ class StoreClient:
         self.segment = ""
         self.block_nbytes = profile.layout.block_nbytes
         self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
-        self._control = ControlStream(lambda: self.stub)  # allocate, commit, get, renew, release
+        self._control = ControlChannel(self._locate_control)  # allocate, commit, get, renew, release
 
     async def connect(self) -> pb.InfoResponse:
         info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
         self.segment = info.segment
         return info
+
+    async def _locate_control(self) -> tuple[str, int]:
+        """Where the store's control socket is: asked at each (re)connect, as a restarted store
+        listens elsewhere (and has a new transfer-engine segment too)."""
+        info = await self.connect()
+        if not info.control_port:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the store at {self.target} reports no control socket")
+        return grpc_host(self.target), info.control_port
 
     @property
     def stub(self) -> kvstore_pb2_grpc.KVStoreStub:

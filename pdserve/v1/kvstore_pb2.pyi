@@ -55,20 +55,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind")
+    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "control_port")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     segment: str
     profile: _common_pb2.HashProfile
     block_nbytes: int
     device_capacity_blocks: int
     dram_capacity_blocks: int
     device_kind: str
-    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ...) -> None: ...
+    control_port: int
+    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy", "hold_ms")

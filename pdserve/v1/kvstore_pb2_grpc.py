@@ -84,11 +84,6 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.Control = channel.stream_stream(
-                '/pdserve.v1.KVStore/Control',
-                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlResponse.FromString,
-                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -167,17 +162,6 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Control(self, request_iterator, context):
-        """The control calls above (AllocatePut, CommitPut, Get, RenewLease, ReleaseLease) as
-        messages on one long-lived stream per client, answered in order, each tied by call_id. Same
-        semantics and errors as the unary calls; a message on an open stream costs about half a
-        unary call's round trip, which is most of a small put's overhead. Closing the stream
-        ends nothing: leases still need their release (or lapse).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,11 +214,6 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
-            ),
-            'Control': grpc.stream_stream_rpc_method_handler(
-                    servicer.Control,
-                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -507,33 +486,6 @@ class KVStore:
             '/pdserve.v1.KVStore/Stats',
             pdserve_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Control(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdserve.v1.KVStore/Control',
-            pdserve_dot_v1_dot_kvstore__pb2.ControlRequest.SerializeToString,
-            pdserve_dot_v1_dot_kvstore__pb2.ControlResponse.FromString,
             options,
             channel_credentials,
             insecure,

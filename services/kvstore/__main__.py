@@ -15,6 +15,7 @@ from pdserve.server import build_server
 from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.control_socket import ControlSocket
 from services.kvstore.memory import TierMemory
 from services.kvstore.redis_index import RedisIndex
 from services.kvstore.servicer import KVStoreServicer
@@ -64,16 +65,19 @@ async def main() -> None:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
         return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
 
+    control = ControlSocket(servicer.control)
+    servicer.control_port = await control.start(cfg.host, cfg.control_port)
     handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
     stopped = handle.install_signal_handlers()
     index.start()
     reaper = asyncio.get_running_loop().create_task(_reap(store))
-    log.info("kvstore ready", port=handle.port, segment=transfer.segment, block_nbytes=block_nbytes,
-             device_blocks=device.info.num_slots, device_kind=device.info.kind, dram_blocks=dram.info.num_slots,
-             layout=profile.layout.describe())
+    log.info("kvstore ready", port=handle.port, control_port=servicer.control_port, segment=transfer.segment,
+             block_nbytes=block_nbytes, device_blocks=device.info.num_slots, device_kind=device.info.kind,
+             dram_blocks=dram.info.num_slots, layout=profile.layout.describe())
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
+    await control.close()
     reaper.cancel()
     try:
         await asyncio.wait_for(index.stop(), timeout=2.0)  # a last flush; Redis may be gone

@@ -23,7 +23,7 @@ _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
-# Control stream: the oneof field of each call -> the unary handler that serves it.
+# Control socket: the oneof field of each call (also its handler here) -> its unary RPC's name.
 _CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
             "release_lease": "ReleaseLease"}
 
@@ -48,6 +48,7 @@ def _tail(key: str) -> bytes | None:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
                  max_blocks: int, redis_connected=lambda: False):
+        self.control_port = 0  # set once the control socket listens
         self.store = store
         self.profile = profile
         self.segment = segment
@@ -64,21 +65,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.InfoResponse(
             segment=self.segment, profile=profile_to_pb(self.profile), block_nbytes=self.store.block_nbytes,
             device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
-            dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind)
+            dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
+            control_port=self.control_port)
 
-    async def AllocatePut(self, request, context):
+    # -- control calls: served alike as unary RPCs and on the control socket --------------
+    def allocate_put(self, request: pb.AllocatePutRequest) -> pb.AllocatePutResponse:
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id,
                                               request.writer_keeps_copy, request.hold_ms)
         return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
                                       lease_deadline_unix_ms=_unix_ms(lease.deadline), hold_lease_id=lease.hold_id)
 
-    async def CommitPut(self, request, context):
+    def commit_put(self, request: pb.CommitPutRequest) -> pb.CommitPutResponse:
         keys = list(request.keys) or None
         count, closed = self.store.commit(request.lease_id, keys, request.tail_ttl_ms)
         return pb.CommitPutResponse(committed=count, lease_closed=closed)
 
-    async def Get(self, request, context):
+    def get(self, request: pb.GetRequest) -> pb.GetResponse:
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
         if lease is None:
@@ -86,6 +89,45 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.GetResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
                               tail=_slot_pb(tail) if tail else None,
                               lease_deadline_unix_ms=_unix_ms(lease.deadline))
+
+    def renew_lease(self, request: pb.RenewLeaseRequest) -> pb.RenewLeaseResponse:
+        deadline = self.store.renew(request.lease_id, request.lease_ms)
+        return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
+
+    def release_lease(self, request: pb.ReleaseLeaseRequest) -> pb.ReleaseLeaseResponse:
+        unpinned, reclaimed = self.store.release(request.lease_id)
+        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=reclaimed)
+
+    def control(self, request: pb.ControlRequest) -> pb.ControlResponse:
+        """One control-socket call: answered with the result, or with the status and message
+        the unary call would have ended with."""
+        call = request.WhichOneof("call")
+        if call is None:
+            return pb.ControlResponse(call_id=request.call_id, status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                      status_message="control: the message names no call")
+        method = _CONTROL[call]
+        try:
+            with telemetry.message_span(f"/pdserve.v1.KVStore/{method}", request.trace_context):
+                result = getattr(self, call)(getattr(request, call))
+        except Exception as e:  # noqa: BLE001 - a failed call is answered; the connection goes on
+            code, message = refusal(e, f"control/{method}")
+            return pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
+        return pb.ControlResponse(call_id=request.call_id, **{call: result})
+
+    async def AllocatePut(self, request, context):
+        return self.allocate_put(request)
+
+    async def CommitPut(self, request, context):
+        return self.commit_put(request)
+
+    async def Get(self, request, context):
+        return self.get(request)
+
+    async def RenewLease(self, request, context):
+        return self.renew_lease(request)
+
+    async def ReleaseLease(self, request, context):
+        return self.release_lease(request)
 
     async def Watch(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
@@ -104,32 +146,6 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             # Complete: the client reads, then releases (or the lease lapses). Cut short: the
             # client is gone or gave up, so nothing it pinned may stay pinned.
             self.store.end_watch(watcher, release=delivered < total)
-
-    async def RenewLease(self, request, context):
-        deadline = self.store.renew(request.lease_id, request.lease_ms)
-        return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
-
-    async def ReleaseLease(self, request, context):
-        unpinned, reclaimed = self.store.release(request.lease_id)
-        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=reclaimed)
-
-    async def Control(self, request_iterator, context):
-        """Each message is one of the unary control calls, served by the same handler, in order."""
-        async for request in request_iterator:
-            call = request.WhichOneof("call")
-            if call is None:
-                yield pb.ControlResponse(call_id=request.call_id, status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                         status_message="Control: the message names no call")
-                continue
-            method = _CONTROL[call]
-            try:
-                with telemetry.message_span(f"/pdserve.v1.KVStore/{method}", request.trace_context):
-                    result = await getattr(self, method)(getattr(request, call), context)
-            except Exception as e:  # noqa: BLE001 - a failed call is answered; the stream goes on
-                code, message = refusal(e, f"Control/{method}")
-                yield pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
-                continue
-            yield pb.ControlResponse(call_id=request.call_id, **{call: result})
 
     async def PutBytes(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)

@@ -1,0 +1,139 @@
+"""The client end of the store's control socket (services/kvstore/control_socket.py): the
+control calls as frames on one TCP connection per client, opened on first use and reopened
+after a break.
+
+Calls from any number of coroutines share the connection: each gets a call id and waits for
+the answer that echoes it. A failed call raises the `grpc.aio.AioRpcError` the unary RPC would
+have raised (same code, same message), so callers handle both alike. A broken connection fails
+the calls waiting on it with UNAVAILABLE; the next call asks the store where its socket is
+(the store may have restarted elsewhere) and connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from pdserve import telemetry
+from pdserve.kv.control_frames import FrameError, FrameReader, frame
+from pdserve.v1 import kvstore_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Connection(asyncio.Protocol):
+    """One open connection and the calls waiting for its answers."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.pending: dict[int, asyncio.Future] = {}
+        self.transport: asyncio.Transport | None = None
+        self.broken = False
+        self._frames = FrameReader()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            responses = [pb.ControlResponse.FromString(p) for p in self._frames.feed(data)]
+        except (FrameError, DecodeError) as e:
+            self.fail(f"an unreadable answer from the store ({e})")
+            self.transport.close()
+            return
+        for response in responses:
+            future = self.pending.pop(response.call_id, None)
+            if future is None or future.done():
+                continue  # its caller gave up (deadline, cancellation)
+            if response.status_code:
+                code = _CODES.get(response.status_code, grpc.StatusCode.UNKNOWN)
+                future.set_exception(rpc_error(code, response.status_message))
+            else:
+                future.set_result(response)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(f"the control connection to the store at {self.address} closed"
+                  + (f" ({exc})" if exc else ""))
+
+    def fail(self, why: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self.broken = True
+        error = rpc_error(code, why)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self.pending.clear()
+
+
+def _expire(future: asyncio.Future, name: str, timeout_s: float) -> None:
+    if not future.done():
+        future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"{name}: no answer from the store within {timeout_s} s"))
+
+
+class ControlChannel:
+    """Owns this client's control connection. `locate` returns the store's (host, control port)."""
+
+    def __init__(self, locate: Callable[[], Awaitable[tuple[str, int]]]):
+        self._locate = locate
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Future | None = None  # one connect at a time, shared by its callers
+        self._ids = itertools.count(1)
+
+    async def call(self, name: str, request: Message, timeout_s: float) -> Message:
+        """Send one control call (`name`: its field in ControlRequest) and return its response."""
+        conn = self._conn
+        if conn is None or conn.broken:
+            conn = await self._connect(timeout_s)
+        call_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        conn.pending[call_id] = future
+        timer = loop.call_later(timeout_s, _expire, future, name, timeout_s)
+        try:
+            conn.transport.write(frame(pb.ControlRequest(
+                call_id=call_id, trace_context=telemetry.current_context(), **{name: request})))
+            response = await future
+        finally:
+            # However this call ends (answer, error, deadline, cancellation), its entry goes.
+            timer.cancel()
+            conn.pending.pop(call_id, None)
+        return getattr(response, name)
+
+    async def _connect(self, timeout_s: float) -> _Connection:
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._open(timeout_s))
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)  # a caller cancelled leaves the others' connect be
+        finally:
+            if connecting.done() and self._connecting is connecting:
+                self._connecting = None
+
+    async def _open(self, timeout_s: float) -> _Connection:
+        host, port = await self._locate()
+        address = f"{host}:{port}"
+        try:
+            _, conn = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(lambda: _Connection(address), host, port), timeout_s)
+        except (OSError, TimeoutError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"cannot reach the store's control socket at {address}: {e or 'timed out'}") from None
+        self._conn = conn
+        return conn
+
+    async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+            self._conn.fail("the store client was closed", grpc.StatusCode.CANCELLED)
+        self._conn = None
