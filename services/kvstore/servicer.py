@@ -33,8 +33,11 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
 
 
 def _slots_pb(refs: list[SlotRef]) -> pb.SlotList:
-    return pb.SlotList(addresses=[r.address for r in refs], tiers=bytes(_TIER[r.tier] for r in refs),
-                       states=bytes(_STATE[r.state] for r in refs))
+    if not refs:
+        return pb.SlotList()
+    _, addresses, tiers, states = zip(*refs, strict=True)  # columns, at C speed
+    return pb.SlotList(addresses=addresses, tiers=bytes(map(_TIER.__getitem__, tiers)),
+                       states=bytes(map(_STATE.__getitem__, states)))
 
 
 def _unix_ms(deadline_monotonic: float) -> int:

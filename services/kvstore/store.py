@@ -170,48 +170,56 @@ class BlockStore:
         hold_ms > 0 (a handoff): the blocks present or written here stay pinned under a hold
         lease (`lease.hold_id`) until it is released or lapses, hold_ms after the last commit;
         releasing the write lease uncommitted (the writer failed) releases the hold too."""
-        if tail_key is not None and tail_key in self.entries:
+        entries = self.entries
+        if tail_key is not None and tail_key in entries:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
         if len(set(hashes)) != len(hashes):
             raise InvalidArgument("block hashes repeat within one put")
-        new_keys = [h for h in hashes if h not in self.entries] + ([tail_key] if tail_key is not None else [])
+        keys = [*hashes, tail_key] if tail_key is not None else hashes
+        present = [entry for h in hashes if (entry := entries.get(h)) is not None]
+        new_keys = [k for k in keys if k not in entries] if present else keys
         # Making room must not evict the blocks of this very put that are already here.
-        present = [self.entries[h] for h in hashes if h in self.entries]
         for entry in present:
             self._pin(entry)
         try:
-            placed = dict(zip(new_keys, self._allocate(len(new_keys)), strict=True))
+            placed = self._allocate(len(new_keys))
         finally:
             for entry in present:
                 self._unpin(entry)
         lease = self._new_lease("write", lease_ms, request_id)
-        lease.all_keys = {*hashes, *([tail_key] if tail_key is not None else [])}
-        refs = []
-        for key in [*hashes, *([tail_key] if tail_key is not None else [])]:
-            entry = self.entries.get(key)
-            if key in placed:
-                tier, slot = placed[key]
-                # New: in no eviction order yet, so pinned without _pin's look-up; the writer's pin.
-                entry = self.entries[key] = Entry(key, tier, slot, pins=1, is_tail=key == tail_key,
-                                                  duplicate=writer_keeps_copy)
-                lease.pinned.append(key)
-                refs.append(self.slot_ref(entry, SlotState.WRITE))
-            elif entry.committed:
-                if not writer_keeps_copy:
-                    self._keep(entry)
-                refs.append(self.slot_ref(entry, SlotState.PRESENT))
-            else:
-                refs.append(self.slot_ref(entry, SlotState.PENDING))
+        lease.all_keys = set(keys)
+        lease.pinned = list(new_keys)
+        # New: in no eviction order yet, so pinned without _pin's look-up; the writer's pin.
+        new = {key: Entry(key, tier, slot, pins=1, duplicate=writer_keeps_copy)
+               for key, (tier, slot) in zip(new_keys, placed, strict=True)}
+        if tail_key is not None:
+            new[tail_key].is_tail = True
+        entries.update(new)
+        if present:
+            refs = [self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys]
+        else:  # every block new (the common put): one tuple each, nothing to look up
+            base, nbytes, write = self._base, self.block_nbytes, SlotState.WRITE
+            refs = [SlotRef(key, base[tier] + slot * nbytes, tier, write)
+                    for key, (tier, slot) in zip(new_keys, placed, strict=True)]
         if hold_ms > 0:
             hold = self._new_lease("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            hold.held = [self.entries[h] for h in hashes if h in placed or self.entries[h].committed]
+            hold.held = [entries[h] for h in hashes if h in new or entries[h].committed]
             for entry in hold.held:
                 self._pin(entry)
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self._close(lease)
         return lease, refs
+
+    def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
+        if new:
+            return self.slot_ref(entry, SlotState.WRITE)
+        if entry.committed:
+            if not writer_keeps_copy:
+                self._keep(entry)
+            return self.slot_ref(entry, SlotState.PRESENT)
+        return self.slot_ref(entry, SlotState.PENDING)
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -228,14 +236,14 @@ class BlockStore:
             if key not in lease.all_keys:
                 raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
         uncommitted = set(lease.pinned)  # a write lease names each key once (allocate_put checks)
-        done: set[bytes] = set()
+        done: list[bytes] = []
         for key in wanted:
-            if key not in uncommitted or key in done:
+            if key not in uncommitted:
                 continue  # already committed by this lease, or written by another writer
-            done.add(key)
+            uncommitted.discard(key)
+            done.append(key)
             entry = self.entries[key]
             entry.committed = True
-            self.counters.bytes_written += self.block_nbytes
             if entry.is_tail:
                 entry.tail_held = True  # the writer's pin becomes the TTL pin
                 entry.tail_expires = self.clock() + self._lease_s(tail_ttl_ms)
@@ -243,9 +251,11 @@ class BlockStore:
             else:
                 self._unpin(entry)
                 self.index.committed(key, entry.tier)
-            self._notify(entry)
+            if self.watchers:
+                self._notify(entry)
+        self.counters.bytes_written += len(done) * self.block_nbytes
         if done:
-            lease.pinned = [k for k in lease.pinned if k not in done]
+            lease.pinned = [k for k in lease.pinned if k in uncommitted]
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
@@ -277,9 +287,13 @@ class BlockStore:
         if not found and tail is None:
             return None, [], None
         lease = self._new_lease("read", lease_ms, request_id)
-        for entry in [*found, *([tail] if tail else [])]:
+        for entry in found:
             self._pin_for_read(lease, entry)
-        return lease, [self.slot_ref(e) for e in found], self.slot_ref(tail) if tail else None
+        if tail is not None:
+            self._pin_for_read(lease, tail)
+        base, nbytes, present = self._base, self.block_nbytes, SlotState.PRESENT
+        refs = [SlotRef(e.key, base[e.tier] + e.slot * nbytes, e.tier, present) for e in found]
+        return lease, refs, self.slot_ref(tail) if tail else None
 
     def _count_lookup(self, found: list[Entry], asked: int) -> None:
         self.counters.hits += len(found)
