@@ -72,6 +72,11 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
 
 
+def _seen(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _expire(future: asyncio.Future, name: str, timeout_s: float) -> None:
     if not future.done():
         future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -110,6 +115,7 @@ class ControlChannel:
     async def _connect(self, timeout_s: float) -> _Connection:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open(timeout_s))
+            self._connecting.add_done_callback(_seen)  # its waiters may all have been cancelled
         connecting = self._connecting
         try:
             return await asyncio.shield(connecting)  # a caller cancelled leaves the others' connect be
