@@ -160,3 +160,42 @@ def test_a_client_finds_a_restarted_store_at_its_new_control_port(shared_redis_u
         c.call(scenario)
     finally:
         store.stop()
+
+
+def test_a_call_the_store_does_not_answer_in_time_fails_deadline_exceeded(shared_redis_url, key_prefix):
+    """The store stops answering (its process paused): the call fails DEADLINE_EXCEEDED at its
+    deadline with nothing left waiting; the store's late answer, once it resumes, is dropped and
+    the connection serves the next call."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        c = LocalClient(store.address)
+        c.put(3, [0])
+
+        async def scenario(client: StoreClient):
+            client.timeout_s = 0.5
+            assert len((await client.pin([block_hash(3, 0)])).slots) == 1  # connected, leases 1 (lapses)
+            store.proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.pin([block_hash(3, 0)])
+                waited = time.monotonic() - t0
+            finally:
+                store.proc.send_signal(signal.SIGCONT)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert err.value.details() == "get: no answer from the store within 0.5 s"
+            assert 0.5 <= waited < 2.0
+            assert client._control._conn.pending == {}
+            client.timeout_s = 5.0
+            again = await client.pin([block_hash(3, 0)])  # the late answer to the first is dropped
+            assert len(again.slots) == 1 and not client._control._conn.broken
+            await client.release(again.lease_id)
+
+        c.call(scenario)
+        # The pins of the unanswered call and of the first lapse with their 2 s leases.
+        deadline = time.monotonic() + 2.0 + 2.0
+        while (s := c.stats()).active_leases and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
+    finally:
+        store.stop()

@@ -1,0 +1,40 @@
+"""The control socket's framing (pdserve/kv/control_frames.py): frames cut out of a byte stream
+however it arrives. Pure logic: no store, no socket."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.kv.control_frames import FrameError, FrameReader, frame
+from pdserve.v1 import kvstore_pb2 as pb
+
+
+def _requests(n: int) -> list[pb.ControlRequest]:
+    return [pb.ControlRequest(call_id=i, release_lease=pb.ReleaseLeaseRequest(lease_id=f"r{i}" * (i % 5 + 1)))
+            for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 17, 1 << 20])
+def test_frames_come_out_whole_and_in_order_however_the_bytes_are_cut(chunk):
+    messages = _requests(40)
+    stream = b"".join(frame(m) for m in messages)
+    reader = FrameReader()
+    out = []
+    for i in range(0, len(stream), chunk):
+        out += [pb.ControlRequest.FromString(p) for p in reader.feed(stream[i : i + chunk])]
+    assert out == messages
+    assert reader.feed(b"") == []  # nothing left over
+
+
+def test_an_empty_message_is_a_frame_of_its_own():
+    reader = FrameReader()
+    assert reader.feed(frame(pb.ControlRequest()) + frame(pb.ControlRequest(call_id=7))[:5]) == [b""]
+    assert [pb.ControlRequest.FromString(p).call_id for p in reader.feed(frame(pb.ControlRequest(call_id=7))[5:])] \
+        == [7]
+
+
+def test_a_frame_over_the_limit_is_refused_from_its_header():
+    reader = FrameReader(max_bytes=100)
+    assert reader.feed((100).to_bytes(4, "little")) == []  # at the limit: waits for the payload
+    with pytest.raises(FrameError, match="a frame of 101 bytes, over the limit of 100"):
+        FrameReader(max_bytes=100).feed((101).to_bytes(4, "little"))
