@@ -20,6 +20,7 @@ from services.kvstore.memory import TierMemory
 from services.kvstore.redis_index import RedisIndex
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.store import BlockStore
+from services.kvstore.views import committed_blocks
 
 log = logs.get("kvstore")
 
@@ -56,7 +57,7 @@ async def main() -> None:
     transfer.register(device.buffer)
     transfer.register(dram.buffer)
     store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000)
-    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
+    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), lambda: committed_blocks(store))
     store.index = index
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
                                redis_connected=lambda: index.connected)

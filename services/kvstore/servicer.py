@@ -222,7 +222,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             tiers.append(pb.TierStats(tier=_TIER[tier], promotions=c.promotions if tier == DEVICE else 0, **s))
         return pb.StatsResponse(
             tiers=tiers, hits=c.hits, misses=c.misses, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
-            active_leases=len(self.store.leases), watchers=sum(len(w) for w in self.store.watchers.values()),
+            active_leases=len(self.store.leases), watchers=self.store.watchers.count(),
             redis_connected=self.redis_connected())
 
 

@@ -22,6 +22,7 @@ from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, Lease, SlotRef, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
+from services.kvstore.watches import Watches
 
 __all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "SlotState"]
 
@@ -42,7 +43,7 @@ class BlockStore:
         self.leases: dict[str, Lease] = {}
         self.held_tails: set[bytes] = set()  # committed tails pinned by their TTL: all `reap` looks at
         self._closed_leases: OrderedDict[str, None] = OrderedDict()  # for idempotent commits
-        self.watchers: dict[bytes, list[Watcher]] = {}
+        self.watchers = Watches()
         self.counters = Counters()
         self._lease_ids = itertools.count(1)
         self.copies = DeferredCopies(self.tiers)  # an allocation's demotions copy in one batch
@@ -190,10 +191,8 @@ class BlockStore:
         lease.all_keys = set(keys)
         lease.pinned = list(new_keys)
         # New: in no eviction order yet, so pinned without _pin's look-up; the writer's pin.
-        new = {key: Entry(key, tier, slot, pins=1, duplicate=writer_keeps_copy)
+        new = {key: Entry(key, tier, slot, pins=1, is_tail=key == tail_key, duplicate=writer_keeps_copy)
                for key, (tier, slot) in zip(new_keys, placed, strict=True)}
-        if tail_key is not None:
-            new[tail_key].is_tail = True
         entries.update(new)
         if present:
             refs = [self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys]
@@ -213,13 +212,10 @@ class BlockStore:
         return lease, refs
 
     def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
-        if new:
-            return self.slot_ref(entry, SlotState.WRITE)
-        if entry.committed:
-            if not writer_keeps_copy:
-                self._keep(entry)
-            return self.slot_ref(entry, SlotState.PRESENT)
-        return self.slot_ref(entry, SlotState.PENDING)
+        if not new and entry.committed and not writer_keeps_copy:
+            self._keep(entry)
+        return self.slot_ref(entry, SlotState.WRITE if new else SlotState.PRESENT if entry.committed
+                             else SlotState.PENDING)
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -287,10 +283,8 @@ class BlockStore:
         if not found and tail is None:
             return None, [], None
         lease = self._new_lease("read", lease_ms, request_id)
-        for entry in found:
+        for entry in [*found, *([tail] if tail else [])]:
             self._pin_for_read(lease, entry)
-        if tail is not None:
-            self._pin_for_read(lease, tail)
         base, nbytes, present = self._base, self.block_nbytes, SlotState.PRESENT
         refs = [SlotRef(e.key, base[e.tier] + e.slot * nbytes, e.tier, present) for e in found]
         return lease, refs, self.slot_ref(tail) if tail else None
@@ -326,7 +320,7 @@ class BlockStore:
                 hits += key != tail_key
                 self._deliver(watcher, entry)
             else:
-                self.watchers.setdefault(key, []).append(watcher)
+                self.watchers.wait(key, watcher)
         self.counters.hits += hits
         self.index.looked_up(hits, 0)
         return watcher
@@ -336,18 +330,13 @@ class BlockStore:
         watcher.queue.put_nowait((watcher.wanted.pop(entry.key), self.slot_ref(entry)))
 
     def _notify(self, entry: Entry) -> None:
-        for watcher in self.watchers.pop(entry.key, []):
+        for watcher in self.watchers.take(entry.key):
             if watcher.lease.lease_id in self.leases:
                 self._deliver(watcher, entry)
 
     def end_watch(self, watcher: Watcher, release: bool) -> None:
         """The Watch stream ended: stop waiting; release its pins too when the client is gone."""
-        for key in list(watcher.wanted):
-            waiting = self.watchers.get(key, [])
-            if watcher in waiting:
-                waiting.remove(watcher)
-                if not waiting:
-                    del self.watchers[key]
+        self.watchers.forget(watcher)
         watcher.lease.watching = False
         if release:
             self.release(watcher.lease.lease_id)
@@ -408,7 +397,3 @@ class BlockStore:
             self.held_tails.discard(entry.key)
             self._unpin(entry)
         return len(lapsed)
-
-    # -- views (Stats: see views.py) -------------------------------------------------------
-    def committed_blocks(self) -> list[tuple[bytes, str]]:
-        return [(e.key, e.tier) for e in self.entries.values() if e.committed and not e.is_tail]

@@ -1,4 +1,4 @@
-"""Read-only views of a BlockStore's state, for Stats."""
+"""Read-only views of a BlockStore's state, for Stats and the Redis index."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ def tier_stats(store: BlockStore, tier: str) -> dict:
         "evictions": store.counters.evictions[tier],
         "duplicate_blocks": sum(1 for e in in_tier if e.duplicate),
     }
+
+
+def committed_blocks(store: BlockStore) -> list[tuple[bytes, str]]:
+    """(key, tier) of every committed prefix block: what the Redis index is rebuilt from."""
+    return [(e.key, e.tier) for e in store.entries.values() if e.committed and not e.is_tail]
