@@ -16,7 +16,7 @@ from pdserve.kv.control_frames import FrameReader, frame
 from pdserve.kv.store_client import StoreClient, grpc_host
 from pdserve.launch import free_port
 from pdserve.v1 import kvstore_pb2 as pb
-from tests.kv_peer import block_hash
+from tests.kv_peer import block_data, block_hash
 from tests.kvstore_support import LocalClient, start_store, tier_stats
 
 
@@ -91,6 +91,13 @@ def test_control_calls_fail_unavailable_when_the_store_dies(shared_redis_url, ke
         store.stop()
 
 
+# The tests below store their blocks through the gRPC-bytes path, not this process's
+# transfer engine. Mooncake caches a peer's segment by its name, "host:rpc_port", for the life of
+# the process; a new store that happens to get a dead store's port is unreachable from an engine
+# that talked to the dead one (its cached descriptor names the dead transport). A test process
+# talks to many stores: fewer transfer-engine peers, fewer such collisions.
+
+
 def _raw_connection(store) -> tuple[socket.socket, int]:
     info = LocalClient(store.address).call(StoreClient.connect)
     return socket.create_connection((grpc_host(store.address), info.control_port), timeout=10), info.control_port
@@ -131,7 +138,7 @@ def test_unreadable_frames_end_only_their_connection(small_store):
     assert (third.call_id, third.status_code) == (43, grpc.StatusCode.NOT_FOUND.value[0])
     sock.close()
     c = LocalClient(small_store.address)
-    c.put(5, [0])
+    c.call(StoreClient.put_bytes, [block_hash(5, 0)], bytes(block_data(5, 0).numpy()))  # no transfer: see above
     s = c.stats()
     assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
 
@@ -169,7 +176,7 @@ def test_a_call_the_store_does_not_answer_in_time_fails_deadline_exceeded(shared
     store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
     try:
         c = LocalClient(store.address)
-        c.put(3, [0])
+        c.call(StoreClient.put_bytes, [block_hash(3, 0)], bytes(block_data(3, 0).numpy()))  # no transfer: see above
 
         async def scenario(client: StoreClient):
             client.timeout_s = 0.5
