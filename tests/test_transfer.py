@@ -41,3 +41,19 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
         b.read(a.segment, [Span(buf.data_ptr(), 12345678, 4096)])  # not memory the peer registered
     with pytest.raises(TransferError, match=r"127\.0\.0\.1:1 failed \(submit refused"):
         b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
+
+
+def test_block_spans_merge_runs_adjacent_on_both_sides_only():
+    from pdserve.kv.transfer import block_spans, coalesce
+
+    n = 4096
+    pairs = [(0, 8 * n), (n, 9 * n), (2 * n, 10 * n),  # one run of three
+             (3 * n, 20 * n),  # adjacent locally only: a new span
+             (5 * n, 21 * n),  # adjacent remotely only: a new span
+             (6 * n, 22 * n), (7 * n, 23 * n)]  # and it runs on
+    assert block_spans(pairs, n) == [Span(0, 8 * n, 3 * n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, 3 * n)]
+    assert block_spans(pairs, n) == coalesce([Span(local, remote, n) for local, remote in pairs])
+    assert block_spans([(n, 0)], n) == [Span(n, 0, n)]  # address 0 is an address like any other
+    assert block_spans([], n) == []
+    with pytest.raises(ValueError):  # zip(strict=True) of unequal columns, as the store client passes them
+        block_spans(zip([0, n], [0], strict=True), n)

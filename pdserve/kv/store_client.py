@@ -12,7 +12,7 @@ import grpc
 from pdserve import logs
 from pdserve.kv.control_channel import ControlChannel, rpc_error
 from pdserve.kv.layout import HashProfile
-from pdserve.kv.transfer import Span, Transfer
+from pdserve.kv.transfer import Span, Transfer, block_spans
 from pdserve.server import channel
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
@@ -142,8 +142,9 @@ class StoreClient:
 
     async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
         """Write the blocks whose slot says WRITE; returns the slices used."""
-        spans = [Span(local, slot.address, self.block_nbytes)
-                 for slot, local in zip(slots, local_addrs, strict=True) if slot.state == pb.SLOT_STATE_WRITE]
+        write = pb.SLOT_STATE_WRITE
+        spans = block_spans([(local, slot.address) for slot, local in zip(slots, local_addrs, strict=True)
+                             if slot.state == write], self.block_nbytes)
         return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
 
     async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
@@ -173,8 +174,8 @@ class StoreClient:
             return GetResult(0, False, 0)
         try:
             # The prefix found may be shorter than local_addrs.
-            spans = [Span(local, slot.address, self.block_nbytes)
-                     for slot, local in zip(pinned.slots, local_addrs, strict=False)]
+            spans = block_spans(zip(local_addrs, [slot.address for slot in pinned.slots], strict=False),
+                                self.block_nbytes)
             if pinned.tail is not None:
                 if tail_addr is None:
                     raise ValueError("the store has a tail block but no tail_addr was given")
@@ -206,7 +207,7 @@ class StoreClient:
             call.cancel()
 
     async def read_slots(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
-        spans = [Span(local, s.address, self.block_nbytes) for s, local in zip(slots, local_addrs, strict=True)]
+        spans = block_spans(zip(local_addrs, [s.address for s in slots], strict=True), self.block_nbytes)
         return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
 
     async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:

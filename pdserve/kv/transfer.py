@@ -8,7 +8,7 @@ remotely moves as one slice: at ~45 µs per slice here, coalescing is what makes
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,23 @@ class Span:
     local: int  # address in this process's registered memory
     remote: int  # address in the peer's registered memory
     nbytes: int
+
+
+def block_spans(pairs: Iterable[tuple[int, int]], nbytes: int) -> list[Span]:
+    """Spans for blocks of `nbytes`, given as (local, remote) addresses, neighbours adjacent on
+    both sides merged (order kept): a span per run, not per block, built from plain ints."""
+    out: list[Span] = []
+    run_local = run_remote = size = 0
+    for local, remote in pairs:
+        if size and local == run_local + size and remote == run_remote + size:
+            size += nbytes
+            continue
+        if size:
+            out.append(Span(run_local, run_remote, size))
+        run_local, run_remote, size = local, remote, nbytes
+    if size:
+        out.append(Span(run_local, run_remote, size))
+    return out
 
 
 def coalesce(spans: Sequence[Span]) -> list[Span]:

@@ -22,15 +22,15 @@ class Entry:
     key: bytes
     tier: str
     slot: int
-    committed: bool = False
     pins: int = 0
+    # Its writer keeps a copy in its own cache: when unpinned it goes to the LRU's cold end (the
+    # first to evict), not the recent one; an offload of the same block clears this.
+    duplicate: bool = False
+    committed: bool = False
     is_tail: bool = False
     tail_held: bool = False  # a committed tail is pinned by its TTL until tail_expires
     tail_expires: float = 0.0
     promote_on_release: bool = False
-    # Its writer keeps a copy in its own cache: when unpinned it goes to the LRU's cold end (the
-    # first to evict), not the recent one; an offload of the same block clears this.
-    duplicate: bool = False
 
 
 class EvictionOrder:
@@ -61,11 +61,35 @@ class EvictionOrder:
         return (self._copies or self._lru).popitem(last=False)[0]
 
 
-class SlotRef(NamedTuple):  # one per block per call: a tuple builds fastest
+class SlotRef(NamedTuple):  # one block's slot (a tail, a watched block); calls answer `Slots`
     key: bytes
     address: int
     tier: str
     state: SlotState
+
+
+@dataclass(slots=True)
+class Slots:
+    """The slots of one call's blocks, as columns (row i is block i): a put or get of hundreds
+    of blocks builds them without an object per block, and they go out as columns too."""
+
+    keys: list[bytes]
+    addresses: list[int]
+    tiers: list[str]
+    states: list[SlotState]
+
+    @classmethod
+    def of(cls, refs: list[SlotRef]) -> Slots:
+        if not refs:
+            return cls([], [], [], [])
+        keys, addresses, tiers, states = map(list, zip(*refs, strict=True))
+        return cls(keys, addresses, tiers, states)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> SlotRef:
+        return SlotRef(self.keys[i], self.addresses[i], self.tiers[i], self.states[i])
 
 
 @dataclass

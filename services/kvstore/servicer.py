@@ -14,7 +14,7 @@ from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
-from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, SlotState
+from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, Slots, SlotState
 from services.kvstore.views import tier_stats
 
 log = logs.get("kvstore")
@@ -32,12 +32,9 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
     return pb.Slot(key=ref.key, address=ref.address, tier=_TIER[ref.tier], state=_STATE[ref.state])
 
 
-def _slots_pb(refs: list[SlotRef]) -> pb.SlotList:
-    if not refs:
-        return pb.SlotList()
-    _, addresses, tiers, states = zip(*refs, strict=True)  # columns, at C speed
-    return pb.SlotList(addresses=addresses, tiers=bytes(map(_TIER.__getitem__, tiers)),
-                       states=bytes(map(_STATE.__getitem__, states)))
+def _slots_pb(slots: Slots) -> pb.SlotList:
+    return pb.SlotList(addresses=slots.addresses, tiers=bytes(map(_TIER.__getitem__, slots.tiers)),
+                       states=bytes(map(_STATE.__getitem__, slots.states)))
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -54,6 +51,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.control_port = 0  # set once the control socket listens
         self.store = store
         self.profile = profile
+        self.profile_pb = profile_to_pb(profile)
         self.segment = segment
         self.device_kind = device_kind
         self.max_blocks = max_blocks
@@ -61,7 +59,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _check(self, profile, hashes: list[bytes], request_id: str) -> list[bytes]:
         structlog.contextvars.bind_contextvars(request_id=request_id or None)
-        require_profile(profile, self.profile)
+        if profile != self.profile_pb:  # the same message as ours is the common case, and cheap to see
+            require_profile(profile, self.profile)
         return hashes_from_pb(list(hashes), self.max_blocks)
 
     async def Info(self, request, context):
@@ -144,7 +143,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     ready.append(watcher.queue.get_nowait())
                 delivered += len(ready)
                 yield pb.WatchEvent(lease_id=watcher.lease.lease_id, indices=[i for i, _ in ready],
-                                    slots=_slots_pb([ref for _, ref in ready]))
+                                    slots=_slots_pb(Slots.of([ref for _, ref in ready])))
         finally:
             # Complete: the client reads, then releases (or the lease lapses). Cut short: the
             # client is gone or gave up, so nothing it pinned may stay pinned.
@@ -176,12 +175,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if lease.lease_id in self.store.leases:
                 self.store.release(lease.lease_id)  # reclaim what was never committed
             raise
-        written = sum(1 for r in refs if r.state == SlotState.WRITE)
+        written = refs.states.count(SlotState.WRITE)
         if lease.lease_id in self.store.leases:
             self.store.commit(lease.lease_id, tail_ttl_ms=h.tail_lease_ms)
         return pb.PutBytesResponse(written=written, already_present=len(refs) - written)
 
-    def _write_span(self, refs: list[SlotRef], offset: int, data: bytes) -> None:
+    def _write_span(self, refs: Slots, offset: int, data: bytes) -> None:
         nbytes = self.store.block_nbytes
         pos = 0
         while pos < len(data):
@@ -197,14 +196,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def GetBytes(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), 0, request.request_id)
-        all_refs = [*refs, *([tail] if tail else [])]
-        yield pb.GetBytesResponse(num_blocks=len(all_refs), has_tail=tail is not None)
+        keys = [*refs.keys, *([tail.key] if tail else [])]
+        yield pb.GetBytesResponse(num_blocks=len(keys), has_tail=tail is not None)
         if lease is None:
             return
         try:
             buf = bytearray()
-            for ref in all_refs:
-                entry = self.store.entries[ref.key]
+            for key in keys:
+                entry = self.store.entries[key]
                 buf += self.store.tiers[entry.tier].view(entry.slot).cpu().numpy().tobytes()
                 while len(buf) >= CHUNK_BYTES:
                     yield pb.GetBytesResponse(data=bytes(buf[:CHUNK_BYTES]))

@@ -17,14 +17,26 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import repeat
 
 from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, Lease, SlotRef, SlotState, Watcher
+from services.kvstore.entries import (
+    DEVICE,
+    DRAM,
+    Counters,
+    Entry,
+    EvictionOrder,
+    Lease,
+    SlotRef,
+    Slots,
+    SlotState,
+    Watcher,
+)
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
 from services.kvstore.watches import Watches
 
-__all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "SlotState"]
+__all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "Slots", "SlotState"]
 
 
 class BlockStore:
@@ -144,8 +156,8 @@ class BlockStore:
         self.index.moved(entry.key, DEVICE)
         self.index.moved(victim.key, DRAM)
 
-    def _allocate(self, n: int) -> list[tuple[str, int]]:
-        """n new slots: device tier first, the rest spilled to DRAM; all or nothing."""
+    def _allocate(self, n: int) -> list[tuple[str, list[int]]]:
+        """n new slots, as (tier, slots): device tier first, the rest spilled to DRAM; all or nothing."""
         room_dev, room_dram = self._room(DEVICE), self._room(DRAM)
         if n > room_dev + room_dram:
             raise ResourceExhausted(
@@ -154,13 +166,12 @@ class BlockStore:
             )
         n_dev = min(n, room_dev)
         with self.copies.batch():
-            slots = [(DEVICE, s) for s in self._take_slots(DEVICE, n_dev)]
-            return slots + [(DRAM, s) for s in self._take_slots(DRAM, n - n_dev)]
+            return [(DEVICE, self._take_slots(DEVICE, n_dev)), (DRAM, self._take_slots(DRAM, n - n_dev))]
 
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
                      request_id: str, writer_keeps_copy: bool = False,
-                     hold_ms: int = 0) -> tuple[Lease, list[SlotRef]]:
+                     hold_ms: int = 0) -> tuple[Lease, Slots]:
         """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING.
 
         writer_keeps_copy: new blocks are copies of the writer's cache, evicted before any other
@@ -190,26 +201,36 @@ class BlockStore:
         lease = self._new_lease("write", lease_ms, request_id)
         lease.all_keys = set(keys)
         lease.pinned = list(new_keys)
-        # New: in no eviction order yet, so pinned without _pin's look-up; the writer's pin.
-        new = {key: Entry(key, tier, slot, pins=1, is_tail=key == tail_key, duplicate=writer_keeps_copy)
-               for key, (tier, slot) in zip(new_keys, placed, strict=True)}
-        entries.update(new)
-        if present:
-            refs = [self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys]
-        else:  # every block new (the common put): one tuple each, nothing to look up
-            base, nbytes, write = self._base, self.block_nbytes, SlotState.WRITE
-            refs = [SlotRef(key, base[tier] + slot * nbytes, tier, write)
-                    for key, (tier, slot) in zip(new_keys, placed, strict=True)]
-        if hold_ms > 0:
+        # New: in no eviction order yet, so pinned (the writer's pin) without _pin's look-up;
+        # built a tier's run at a time, with their slots' columns.
+        addresses: list[int] = []
+        tiers: list[str] = []
+        done = 0
+        for tier, slots in placed:
+            run = new_keys[done : done + len(slots)]
+            done += len(slots)
+            made = map(Entry, run, repeat(tier), slots, repeat(1), repeat(writer_keeps_copy))
+            entries.update(zip(run, made, strict=True))
+            base, nbytes = self._base[tier], self.block_nbytes
+            addresses += [base + slot * nbytes for slot in slots]
+            tiers += repeat(tier, len(slots))
+        if tail_key is not None:
+            entries[tail_key].is_tail = True
+        new = set(new_keys) if present else None  # None: every block is new
+        if new is None:  # the common put: its columns are built above
+            out = Slots(new_keys, addresses, tiers, [SlotState.WRITE] * len(new_keys))
+        else:
+            out = Slots.of([self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys])
+        if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
             hold = self._new_lease("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            hold.held = [entries[h] for h in hashes if h in new or entries[h].committed]
+            hold.held = [entries[h] for h in hashes if new is None or h in new or entries[h].committed]
             for entry in hold.held:
                 self._pin(entry)
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self._close(lease)
-        return lease, refs
+        return lease, out
 
     def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
         if not new and entry.committed and not writer_keeps_copy:
@@ -227,35 +248,40 @@ class BlockStore:
             raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
         if lease.kind != "write":
             raise InvalidArgument(f"lease {lease_id!r} is a read lease")
-        wanted = list(lease.pinned) if keys is None else list(keys)
-        for key in wanted:
-            if key not in lease.all_keys:
-                raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
+        wanted = lease.pinned if keys is None else list(keys)
+        if keys is not None:
+            for key in wanted:
+                if key not in lease.all_keys:
+                    raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
         uncommitted = set(lease.pinned)  # a write lease names each key once (allocate_put checks)
-        done: list[bytes] = []
+        entries, evictable, index, notify = self.entries, self.evictable, self.index, bool(self.watchers)
+        count = 0
         for key in wanted:
             if key not in uncommitted:
                 continue  # already committed by this lease, or written by another writer
             uncommitted.discard(key)
-            done.append(key)
-            entry = self.entries[key]
+            count += 1
+            entry = entries[key]
             entry.committed = True
             if entry.is_tail:
                 entry.tail_held = True  # the writer's pin becomes the TTL pin
                 entry.tail_expires = self.clock() + self._lease_s(tail_ttl_ms)
                 self.held_tails.add(entry.key)
             else:
-                self._unpin(entry)
-                self.index.committed(key, entry.tier)
-            if self.watchers:
+                # _unpin of the writer's pin, inline: never read while uncommitted, the entry
+                # has no promotion pending and is no tail.
+                entry.pins -= 1
+                if entry.pins == 0:
+                    evictable[entry.tier].add(entry)
+                index.committed(key, entry.tier)
+            if notify:
                 self._notify(entry)
-        self.counters.bytes_written += len(done) * self.block_nbytes
-        if done:
-            lease.pinned = [k for k in lease.pinned if k in uncommitted]
+        self.counters.bytes_written += count * self.block_nbytes
+        if count:
+            lease.pinned = [k for k in lease.pinned if k in uncommitted] if uncommitted else []
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
-        count = len(done)
         closed = not lease.pinned
         if closed:
             self._close(lease)
@@ -269,32 +295,44 @@ class BlockStore:
 
     # -- get -------------------------------------------------------------------------------
     def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
-            request_id: str) -> tuple[Lease | None, list[SlotRef], SlotRef | None]:
+            request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
+        entries = self.entries
         found: list[Entry] = []
         for h in hashes:
-            entry = self.entries.get(h)
+            entry = entries.get(h)
             if entry is None or not entry.committed:
                 break
             found.append(entry)
-        tail = self.entries.get(tail_key) if tail_key is not None else None
+        tail = entries.get(tail_key) if tail_key is not None else None
         if tail is not None and not tail.committed:
             tail = None
-        self._count_lookup(found, len(hashes))
+        counters, n = self.counters, len(found)
+        counters.hits += n
+        counters.misses += len(hashes) - n
+        self.index.looked_up(n, len(hashes) - n)
         if not found and tail is None:
-            return None, [], None
+            return None, Slots([], [], [], []), None
         lease = self._new_lease("read", lease_ms, request_id)
-        for entry in [*found, *([tail] if tail else [])]:
-            self._pin_for_read(lease, entry)
-        base, nbytes, present = self._base, self.block_nbytes, SlotState.PRESENT
-        refs = [SlotRef(e.key, base[e.tier] + e.slot * nbytes, e.tier, present) for e in found]
-        return lease, refs, self.slot_ref(tail) if tail else None
-
-    def _count_lookup(self, found: list[Entry], asked: int) -> None:
-        self.counters.hits += len(found)
-        self.counters.misses += asked - len(found)
+        # _pin_for_read of each block, inline (a prefix block is never a tail).
+        evictable, base, nbytes, tier_hits = self.evictable, self._base, self.block_nbytes, counters.tier_hits
+        addresses: list[int] = []
+        tiers: list[str] = []
         for e in found:
-            self.counters.tier_hits[e.tier] += 1
-        self.index.looked_up(len(found), asked - len(found))
+            tier = e.tier
+            if e.pins == 0:
+                evictable[tier].discard(e.key)
+            e.pins += 1
+            tier_hits[tier] += 1
+            if tier == DRAM:
+                e.promote_on_release = True
+            addresses.append(base[tier] + e.slot * nbytes)
+            tiers.append(tier)
+        keys = hashes[:n]
+        lease.pinned = list(keys)
+        counters.bytes_read += n * nbytes
+        if tail is not None:
+            self._pin_for_read(lease, tail)
+        return lease, Slots(keys, addresses, tiers, [SlotState.PRESENT] * n), self.slot_ref(tail) if tail else None
 
     def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
         self._pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned

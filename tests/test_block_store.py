@@ -1,0 +1,116 @@
+"""BlockStore bookkeeping in one process (no transport): the slot columns a put and a get answer,
+and what a commit leaves pinned, evictable and indexed. The store process tests (test_kvstore)
+cover the same calls end to end; these pin down exact slots and counts."""
+
+from __future__ import annotations
+
+from services.kvstore.memory import TierMemory
+from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotState
+
+NBYTES = 8
+
+
+class RecordingIndex:
+    """An IndexSink that records what it is told (a stand-in for the Redis mirror, named as such)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def committed(self, key, tier):
+        self.events.append(("committed", key, tier))
+
+    def moved(self, key, tier):
+        self.events.append(("moved", key, tier))
+
+    def dropped(self, key):
+        self.events.append(("dropped", key))
+
+    def looked_up(self, hits, misses):
+        self.events.append(("looked_up", hits, misses))
+
+
+def _store(device: int = 4, dram: int = 4) -> tuple[BlockStore, RecordingIndex]:
+    index = RecordingIndex()
+    return BlockStore(TierMemory("device", device, NBYTES), TierMemory("dram", dram, NBYTES), index=index), index
+
+
+def _h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
+    store, index = _store()
+    dev, dram = store.tiers[DEVICE].base_address, store.tiers[DRAM].base_address
+    hashes = [_h(i) for i in range(6)]
+    lease, slots = store.allocate_put(hashes, None, 0, "r1")
+    assert slots.keys == hashes
+    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram, dram + 8]
+    assert slots.tiers == [DEVICE] * 4 + [DRAM] * 2
+    assert slots.states == [SlotState.WRITE] * 6
+    assert slots[5] == (hashes[5], dram + 8, DRAM, SlotState.WRITE)
+    assert [(store.entries[h].pins, store.entries[h].committed) for h in hashes] == [(1, False)] * 6
+    assert lease.pinned == hashes
+
+    assert store.commit(lease.lease_id, [hashes[5], hashes[0], hashes[0]]) == (2, False)  # a repeat counts once
+    assert lease.pinned == hashes[1:5]
+    assert [store.entries[h].pins for h in hashes] == [0, 1, 1, 1, 1, 0]
+    assert len(store.evictable[DEVICE]) == 1 and len(store.evictable[DRAM]) == 1
+    assert store.commit(lease.lease_id) == (4, True)
+    assert store.commit(lease.lease_id) == (0, True)  # idempotent once closed
+    assert [e for e in index.events if e[0] == "committed"] == [
+        ("committed", hashes[5], DRAM), ("committed", hashes[0], DEVICE),
+        *[("committed", h, DEVICE) for h in hashes[1:4]], ("committed", hashes[4], DRAM)]
+    assert store.counters.bytes_written == 6 * NBYTES
+    assert all(e.pins == 0 and e.committed for e in store.entries.values())
+    assert store.leases == {}
+
+
+def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
+    store, _ = _store(device=8)
+    dev = store.tiers[DEVICE].base_address
+    first, _ = store.allocate_put([_h(1), _h(2)], None, 0, "r1")
+    store.commit(first.lease_id, [_h(1)])  # 1 committed, 2 still being written by r1
+    lease, slots = store.allocate_put([_h(1), _h(2), _h(3)], b"tail:r2", 0, "r2", hold_ms=1000)
+    assert slots.keys == [_h(1), _h(2), _h(3), b"tail:r2"]
+    assert slots.states == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
+    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24]
+    assert store.entries[b"tail:r2"].is_tail and not store.entries[_h(3)].is_tail
+    hold = store.leases[lease.hold_id]
+    assert [e.key for e in hold.held] == [_h(1), _h(3)]  # not r1's block still being written
+    assert [store.entries[h].pins for h in (_h(1), _h(2), _h(3))] == [1, 1, 2]
+    assert store.commit(lease.lease_id, tail_ttl_ms=500) == (2, True)
+    assert store.entries[_h(3)].pins == 1 and store.entries[b"tail:r2"].tail_held  # the hold's, the TTL's
+    assert store.release(hold.lease_id) == (2, 0)
+    assert [store.entries[h].pins for h in (_h(1), _h(3))] == [0, 0]
+
+
+def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
+    store, index = _store()
+    dev, dram = store.tiers[DEVICE].base_address, store.tiers[DRAM].base_address
+    hashes = [_h(i) for i in range(6)]  # four on the device, two spilled to DRAM
+    put, _ = store.allocate_put(hashes, None, 0, "w")
+    store.commit(put.lease_id, hashes[:5])  # the sixth stays uncommitted: the prefix ends before it
+    index.events.clear()
+    lease, slots, tail = store.get([*hashes, _h(9)], None, 0, "r")
+    assert tail is None
+    assert slots.keys == hashes[:5]
+    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram]
+    assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states == [SlotState.PRESENT] * 5
+    assert lease.pinned == hashes[:5]
+    assert [store.entries[h].pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
+    assert [store.entries[h].promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
+    assert len(store.evictable[DEVICE]) == 0 and len(store.evictable[DRAM]) == 0
+    assert (store.counters.hits, store.counters.misses, store.counters.tier_hits) == (5, 2, {DEVICE: 4, DRAM: 1})
+    assert store.counters.bytes_read == 5 * NBYTES
+    assert index.events == [("looked_up", 5, 2)]
+
+    # Released, the DRAM hit is promoted: it swaps places with the device's first to evict.
+    assert store.release(lease.lease_id) == (5, 0)
+    assert (store.entries[hashes[4]].tier, store.entries[hashes[4]].slot) == (DEVICE, 0)
+    assert (store.entries[hashes[0]].tier, store.entries[hashes[0]].slot) == (DRAM, 0)
+    assert store.counters.promotions == 1
+    assert index.events[1:] == [("moved", hashes[4], DEVICE), ("moved", hashes[0], DRAM)]
+    assert store.release(put.lease_id) == (0, 1)  # the writer gives up its last block: reclaimed
+    assert hashes[5] not in store.entries and store.tiers[DRAM].allocator.num_free == 3
+    none, empty, _ = store.get([_h(7)], None, 0, "r")
+    assert none is None and len(empty) == 0
