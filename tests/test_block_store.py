@@ -4,6 +4,9 @@ cover the same calls end to end; these pin down exact slots and counts."""
 
 from __future__ import annotations
 
+import pytest
+
+from pdserve.errors import NotFound
 from services.kvstore.memory import TierMemory
 from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotState
 
@@ -78,7 +81,9 @@ def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
     hold = store.leases[lease.hold_id]
     assert [e.key for e in hold.held] == [_h(1), _h(3)]  # not r1's block still being written
     assert [store.entries[h].pins for h in (_h(1), _h(2), _h(3))] == [1, 1, 2]
-    assert store.commit(lease.lease_id, tail_ttl_ms=500) == (2, True)
+    with pytest.raises(NotFound, match="is not part of write lease"):
+        store.commit(lease.lease_id, [_h(3), _h(4)])
+    assert store.commit(lease.lease_id, [_h(1), b"tail:r2", _h(3)], tail_ttl_ms=500) == (2, True)
     assert store.entries[_h(3)].pins == 1 and store.entries[b"tail:r2"].tail_held  # the hold's, the TTL's
     assert store.release(hold.lease_id) == (2, 0)
     assert [store.entries[h].pins for h in (_h(1), _h(3))] == [0, 0]

@@ -185,11 +185,14 @@ class BlockStore:
         entries = self.entries
         if tail_key is not None and tail_key in entries:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
-        if len(set(hashes)) != len(hashes):
+        named = set(hashes)
+        if len(named) != len(hashes):
             raise InvalidArgument("block hashes repeat within one put")
         keys = [*hashes, tail_key] if tail_key is not None else hashes
-        present = [entry for h in hashes if (entry := entries.get(h)) is not None]
-        new_keys = [k for k in keys if k not in entries] if present else keys
+        # Which are here already, found from the put's side (a dict's keys & a small set).
+        here = entries.keys() & named
+        present = [entries[h] for h in hashes if h in here] if here else []
+        new_keys = [k for k in keys if k not in here] if here else keys
         # Making room must not evict the blocks of this very put that are already here.
         for entry in present:
             self._pin(entry)
@@ -199,7 +202,9 @@ class BlockStore:
             for entry in present:
                 self._unpin(entry)
         lease = self._new_lease("write", lease_ms, request_id)
-        lease.all_keys = set(keys)
+        if tail_key is not None:
+            named.add(tail_key)
+        lease.all_keys = named
         lease.pinned = list(new_keys)
         # New: in no eviction order yet, so pinned (the writer's pin) without _pin's look-up;
         # built a tier's run at a time, with their slots' columns.
