@@ -65,7 +65,7 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
         *[("committed", h, DEVICE) for h in hashes[1:4]], ("committed", hashes[4], DRAM)]
     assert store.counters.bytes_written == 6 * NBYTES
     assert all(e.pins == 0 and e.committed for e in store.entries.values())
-    assert store.leases == {}
+    assert len(store.leases) == 0
 
 
 def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
@@ -78,7 +78,7 @@ def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
     assert slots.states == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
     assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24]
     assert store.entries[b"tail:r2"].is_tail and not store.entries[_h(3)].is_tail
-    hold = store.leases[lease.hold_id]
+    hold = store.leases.get(lease.hold_id)
     assert [e.key for e in hold.held] == [_h(1), _h(3)]  # not r1's block still being written
     assert [store.entries[h].pins for h in (_h(1), _h(2), _h(3))] == [1, 1, 2]
     with pytest.raises(NotFound, match="is not part of write lease"):
@@ -119,3 +119,24 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     assert hashes[5] not in store.entries and store.tiers[DRAM].allocator.num_free == 3
     none, empty, _ = store.get([_h(7)], None, 0, "r")
     assert none is None and len(empty) == 0
+
+
+def test_leases_lapse_at_their_deadline_and_closed_ones_are_remembered_a_while():
+    from services.kvstore.leases import CLOSED_REMEMBERED, Leases
+
+    now = [100.0]
+    leases = Leases(default_s=10.0, clock=lambda: now[0])
+    read, write = leases.new("read", 0, "a"), leases.new("write", 2500, "b")
+    assert (read.lease_id, read.deadline, write.lease_id, write.deadline) == ("r1", 110.0, "w2", 102.5)
+    watched = leases.new("read", 1000, "c")
+    watched.watching = True
+    now[0] = 103.0
+    assert leases.lapsed(now[0]) == ["w2"]  # not the watched one, past its deadline too
+    assert leases.renew("w2", 5000) == 108.0 and leases.lapsed(now[0]) == []
+    with pytest.raises(NotFound, match="unknown or lapsed"):
+        leases.renew("w9", 0)
+    leases.close(write)
+    assert "w2" not in leases and leases.closed("w2") and len(leases) == 2
+    for _ in range(CLOSED_REMEMBERED):
+        leases.close(leases.new("hold", 0, "d"))
+    assert not leases.closed("w2") and leases.closed(f"h{3 + CLOSED_REMEMBERED}")

@@ -93,7 +93,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                               lease_deadline_unix_ms=_unix_ms(lease.deadline))
 
     def renew_lease(self, request: pb.RenewLeaseRequest) -> pb.RenewLeaseResponse:
-        deadline = self.store.renew(request.lease_id, request.lease_ms)
+        deadline = self.store.leases.renew(request.lease_id, request.lease_ms)
         return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
 
     def release_lease(self, request: pb.ReleaseLeaseRequest) -> pb.ReleaseLeaseResponse:

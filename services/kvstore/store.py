@@ -13,9 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from itertools import repeat
 
@@ -33,6 +31,7 @@ from services.kvstore.entries import (
     Watcher,
 )
 from services.kvstore.events import IndexSink, NullIndexSink
+from services.kvstore.leases import Leases
 from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
 from services.kvstore.watches import Watches
 
@@ -47,28 +46,17 @@ class BlockStore:
         self.tiers = {DEVICE: device, DRAM: dram}
         self._base = {DEVICE: device.base_address, DRAM: dram.base_address}
         self.block_nbytes = device.block_nbytes
-        self.default_lease_s = default_lease_s
         self.index = index or NullIndexSink()
         self.clock = clock
         self.entries: dict[bytes, Entry] = {}
         self.evictable: dict[str, EvictionOrder] = {DEVICE: EvictionOrder(), DRAM: EvictionOrder()}
-        self.leases: dict[str, Lease] = {}
+        self.leases = Leases(default_lease_s, clock)
         self.held_tails: set[bytes] = set()  # committed tails pinned by their TTL: all `reap` looks at
-        self._closed_leases: OrderedDict[str, None] = OrderedDict()  # for idempotent commits
         self.watchers = Watches()
         self.counters = Counters()
-        self._lease_ids = itertools.count(1)
         self.copies = DeferredCopies(self.tiers)  # an allocation's demotions copy in one batch
 
     # -- helpers ---------------------------------------------------------------------------
-    def _lease_s(self, lease_ms: int) -> float:
-        return lease_ms / 1000 if lease_ms > 0 else self.default_lease_s
-
-    def _new_lease(self, kind: str, lease_ms: int, request_id: str) -> Lease:
-        lease = Lease(f"{kind[0]}{next(self._lease_ids)}", kind, self.clock() + self._lease_s(lease_ms), request_id)
-        self.leases[lease.lease_id] = lease
-        return lease
-
     def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
         return SlotRef(entry.key, self._base[entry.tier] + entry.slot * self.block_nbytes, entry.tier, state)
 
@@ -201,7 +189,7 @@ class BlockStore:
         finally:
             for entry in present:
                 self._unpin(entry)
-        lease = self._new_lease("write", lease_ms, request_id)
+        lease = self.leases.new("write", lease_ms, request_id)
         if tail_key is not None:
             named.add(tail_key)
         lease.all_keys = named
@@ -227,14 +215,14 @@ class BlockStore:
         else:
             out = Slots.of([self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys])
         if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
-            hold = self._new_lease("hold", hold_ms, request_id)
+            hold = self.leases.new("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
             hold.held = [entries[h] for h in hashes if new is None or h in new or entries[h].committed]
             for entry in hold.held:
                 self._pin(entry)
             lease.hold_id = hold.lease_id
         if not lease.pinned:
-            self._close(lease)
+            self.leases.close(lease)
         return lease, out
 
     def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
@@ -248,7 +236,7 @@ class BlockStore:
         """Commit written blocks; returns (newly committed, lease closed). Idempotent."""
         lease = self.leases.get(lease_id)
         if lease is None:
-            if lease_id in self._closed_leases:
+            if self.leases.closed(lease_id):
                 return 0, True
             raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
         if lease.kind != "write":
@@ -270,7 +258,7 @@ class BlockStore:
             entry.committed = True
             if entry.is_tail:
                 entry.tail_held = True  # the writer's pin becomes the TTL pin
-                entry.tail_expires = self.clock() + self._lease_s(tail_ttl_ms)
+                entry.tail_expires = self.clock() + self.leases.seconds(tail_ttl_ms)
                 self.held_tails.add(entry.key)
             else:
                 # _unpin of the writer's pin, inline: never read while uncommitted, the entry
@@ -289,14 +277,8 @@ class BlockStore:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
         closed = not lease.pinned
         if closed:
-            self._close(lease)
+            self.leases.close(lease)
         return count, closed
-
-    def _close(self, lease: Lease) -> None:
-        self.leases.pop(lease.lease_id, None)
-        self._closed_leases[lease.lease_id] = None
-        while len(self._closed_leases) > 4096:
-            self._closed_leases.popitem(last=False)
 
     # -- get -------------------------------------------------------------------------------
     def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
@@ -317,7 +299,7 @@ class BlockStore:
         self.index.looked_up(n, len(hashes) - n)
         if not found and tail is None:
             return None, Slots([], [], [], []), None
-        lease = self._new_lease("read", lease_ms, request_id)
+        lease = self.leases.new("read", lease_ms, request_id)
         # _pin_for_read of each block, inline (a prefix block is never a tail).
         evictable, base, nbytes, tier_hits = self.evictable, self._base, self.block_nbytes, counters.tier_hits
         addresses: list[int] = []
@@ -353,7 +335,7 @@ class BlockStore:
         keys = [*hashes, *([tail_key] if tail_key is not None else [])]
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys repeat within one watch")
-        lease = self._new_lease("read", lease_ms, request_id)
+        lease = self.leases.new("read", lease_ms, request_id)
         lease.watching = True
         watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
         hits = 0
@@ -384,24 +366,17 @@ class BlockStore:
         if release:
             self.release(watcher.lease.lease_id)
         else:
-            watcher.lease.deadline = max(watcher.lease.deadline, self.clock() + self.default_lease_s)
+            watcher.lease.deadline = max(watcher.lease.deadline, self.clock() + self.leases.default_s)
 
     # -- leases ----------------------------------------------------------------------------
-    def renew(self, lease_id: str, lease_ms: int) -> float:
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
-        lease.deadline = self.clock() + self._lease_s(lease_ms)
-        return lease.deadline
-
     def release(self, lease_id: str) -> tuple[int, int]:
         """End a lease: unpin what it read; reclaim what it wrote but never committed."""
         lease = self.leases.get(lease_id)
         if lease is None:
-            if lease_id in self._closed_leases:
+            if self.leases.closed(lease_id):
                 return 0, 0
             raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
-        self._close(lease)
+        self.leases.close(lease)
         unpinned = reclaimed = 0
         if lease.kind == "hold":
             for entry in lease.held:
@@ -431,7 +406,7 @@ class BlockStore:
     def reap(self) -> int:
         """Lapse leases past their deadline and tails past their TTL; returns how many."""
         now = self.clock()
-        lapsed = [lid for lid, lease in self.leases.items() if lease.deadline < now and not lease.watching]
+        lapsed = self.leases.lapsed(now)
         for lease_id in lapsed:
             self.release(lease_id)
         tails = [e for k in self.held_tails if (e := self.entries[k]).tail_expires < now]
