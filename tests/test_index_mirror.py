@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.redis_keys import RedisKeys
-from pdserve.serving.index_events import EventWriter, worker_owner
+from pdserve.serving.index_events import EventWriter, IndexEvent, worker_owner
 from pdserve.serving.registry import Registration
 from services.kvstore.redis_index import RedisIndex
 from services.router.index_mirror import IndexMirror, leading_runs
@@ -184,3 +184,42 @@ def test_leading_runs_on_plain_sets():
     assert hits.store_blocks == 2
     assert hits.store_after == {"x": 3, "y": 2, "z": 0}
     assert leading_runs([], {"x": set(chain)}, set(chain)).worker_blocks == {"x": 0}
+
+
+def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_redis_url, key_prefix):
+    """A flush's changes go to Redis as one string per tier, unpacked by a script there: the
+    index and the change event must come out as the plain HSET/HDEL would have left them,
+    across the script's 2,000-key chunks."""
+    keys = RedisKeys(key_prefix)
+    held = _chain(7, 4500)
+
+    async def go():
+        index = RedisIndex(shared_redis_url, keys, lambda: [])
+        r = aioredis.Redis.from_url(shared_redis_url)
+        try:
+            await index.flush()  # the first flush rebuilds (empty) and resets
+            for h in held[:2500]:
+                index.committed(h, "device")
+            for h in held[2500:]:
+                index.committed(h, "dram")
+            index.committed(b"tail:req-1", "device")  # a per-request tail: never indexed
+            await index.flush()
+            for h in held[:5]:
+                index.dropped(h)
+            for h in held[5:9]:
+                index.moved(h, "dram")
+            await index.flush()
+            got = await r.hgetall(keys.store_index())
+            want = {h.hex().encode(): b"dram" if i >= 2500 or 5 <= i < 9 else b"device"
+                    for i, h in enumerate(held) if i >= 5}
+            assert got == want
+            events = [IndexEvent.parse(f) for _, f in await r.xrange(keys.index_events())]
+            assert [(e.seq, e.reset, len(e.added), e.removed) for e in events] == [
+                (1, True, 0, ()), (2, False, 4500, ()), (3, False, 4, tuple(held[:5]))]
+            assert set(events[1].added) == set(held) and events[2].added == tuple(held[5:9])
+        finally:
+            await r.delete(keys.store_index(), keys.index_events())
+            await r.aclose()
+            await index.redis.aclose()
+
+    asyncio.run(go())

@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from pdserve import logs
+from pdserve import gc_tuning, logs
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kv.transfer import Transfer
 from pdserve.model.config import parse_dtype
@@ -66,6 +66,7 @@ async def main() -> None:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
         return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
 
+    gc_tuning.tune()  # a store holds an object per block: default collections pause it for long
     control = ControlSocket(servicer.control)
     servicer.control_port = await control.start(cfg.host, cfg.control_port)
     handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
