@@ -1,5 +1,5 @@
 """The control socket's framing (pdserve/kv/control_frames.py): frames cut out of a byte stream
-however it arrives. Pure logic: no store, no socket."""
+however it arrives, and the slot columns an answer carries. Pure logic: no store, no socket."""
 
 from __future__ import annotations
 
@@ -38,3 +38,19 @@ def test_a_frame_over_the_limit_is_refused_from_its_header():
     assert reader.feed((100).to_bytes(4, "little")) == []  # at the limit: waits for the payload
     with pytest.raises(FrameError, match="a frame of 101 bytes, over the limit of 100"):
         FrameReader(max_bytes=100).feed((101).to_bytes(4, "little"))
+
+
+def test_an_answers_slots_stay_columns_and_read_as_slot_infos():
+    from pdserve.kv.store_client import SlotColumns, SlotInfo, slots_from_pb
+
+    m = pb.SlotList(addresses=[4096, 8192, 65536], tiers=bytes([pb.TIER_DEVICE, pb.TIER_DRAM, pb.TIER_DEVICE]),
+                    states=bytes([pb.SLOT_STATE_WRITE, pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]))
+    slots = slots_from_pb(m)
+    assert len(slots) == 3
+    assert slots[1] == SlotInfo(8192, pb.TIER_DRAM, pb.SLOT_STATE_PRESENT) and slots[-1].address == 65536
+    assert slots[1:] == SlotColumns([8192, 65536], bytes([pb.TIER_DRAM, pb.TIER_DEVICE]),
+                                    bytes([pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]))
+    assert [s.state for s in slots] == [pb.SLOT_STATE_WRITE, pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]
+    assert slots.states.count(pb.SLOT_STATE_WRITE) == 1
+    with pytest.raises(ValueError, match="malformed slot list from the store: 2 addresses, 3 tiers, 3 states"):
+        slots_from_pb(pb.SlotList(addresses=[1, 2], tiers=m.tiers, states=m.states))

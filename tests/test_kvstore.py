@@ -242,7 +242,7 @@ def test_watch_is_told_of_each_commit(small_store):
         for i in range(n):
             await asyncio.sleep(0.2)
             assert len(events) == i  # nothing arrives before its commit
-            await client.write([alloc.slots[i]], [c.buf.addr(i)])
+            await client.write(alloc.slots[i : i + 1], [c.buf.addr(i)])
             await client.commit(alloc.lease_id, [hashes[i]])
             ev = await asyncio.wait_for(first if i == 0 else anext(watch), 5)
             events.extend(ev.indices)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import grpc
 
@@ -53,11 +53,39 @@ def grpc_host(target: str) -> str:
     return host
 
 
-def slots_from_pb(m: pb.SlotList) -> list[SlotInfo]:
+@dataclass(frozen=True, slots=True)
+class SlotColumns(Sequence[SlotInfo]):
+    """The slots of one answer, kept as the columns they came in: a 1,024-block answer is read
+    without a tuple per block (the transfer paths use the columns); indexing or iterating gives
+    `SlotInfo`s, slicing gives columns."""
+
+    addresses: list[int]
+    tiers: bytes  # pb.Tier values, one byte each
+    states: bytes  # pb.SlotState values, one byte each
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    @overload
+    def __getitem__(self, i: int) -> SlotInfo: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SlotColumns: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return SlotColumns(self.addresses[i], self.tiers[i], self.states[i])
+        return SlotInfo(self.addresses[i], self.tiers[i], self.states[i])
+
+    def __iter__(self) -> Iterator[SlotInfo]:
+        return map(SlotInfo, self.addresses, self.tiers, self.states)
+
+
+def slots_from_pb(m: pb.SlotList) -> SlotColumns:
     if not len(m.addresses) == len(m.tiers) == len(m.states):
         raise ValueError(f"malformed slot list from the store: {len(m.addresses)} addresses, {len(m.tiers)} "
                          f"tiers, {len(m.states)} states")
-    return list(map(SlotInfo, m.addresses, m.tiers, m.states))
+    return SlotColumns(list(m.addresses), m.tiers, m.states)
 
 
 def slot_from_pb(m: pb.Slot) -> SlotInfo:
@@ -67,7 +95,7 @@ def slot_from_pb(m: pb.Slot) -> SlotInfo:
 @dataclass(frozen=True)
 class Allocation:
     lease_id: str
-    slots: list[SlotInfo]  # one per hash, then the tail's
+    slots: SlotColumns  # one per hash, then the tail's
     hold_lease_id: str = ""  # the store's hold on these blocks for their reader (allocate's hold_ms)
 
 
@@ -75,13 +103,13 @@ class Allocation:
 class WatchBatch:
     lease_id: str
     indices: list[int]  # positions in the watched hashes; len(hashes) for the tail
-    slots: list[SlotInfo]
+    slots: SlotColumns
 
 
 @dataclass(frozen=True)
 class Pinned:
     lease_id: str  # empty when nothing was found
-    slots: list[SlotInfo]  # the longest stored prefix
+    slots: SlotColumns  # the longest stored prefix
     tail: SlotInfo | None
 
 
@@ -140,11 +168,12 @@ class StoreClient:
             request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms), self.timeout_s)
         return Allocation(resp.lease_id, slots_from_pb(resp.slots), resp.hold_lease_id)
 
-    async def write(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
+    async def write(self, slots: SlotColumns, local_addrs: Sequence[int]) -> int:
         """Write the blocks whose slot says WRITE; returns the slices used."""
         write = pb.SLOT_STATE_WRITE
-        spans = block_spans([(local, slot.address) for slot, local in zip(slots, local_addrs, strict=True)
-                             if slot.state == write], self.block_nbytes)
+        spans = block_spans([(local, remote) for local, remote, state
+                             in zip(local_addrs, slots.addresses, slots.states, strict=True) if state == write],
+                            self.block_nbytes)
         return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
 
     async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
@@ -162,7 +191,7 @@ class StoreClient:
         except BaseException:
             await asyncio.shield(self._release_quietly(alloc.lease_id))  # even when we are cancelled
             raise
-        states = [s.state for s in alloc.slots]
+        states = alloc.slots.states
         return PutResult(states.count(pb.SLOT_STATE_WRITE), states.count(pb.SLOT_STATE_PRESENT),
                          states.count(pb.SLOT_STATE_PENDING), slices)
 
@@ -174,8 +203,7 @@ class StoreClient:
             return GetResult(0, False, 0)
         try:
             # The prefix found may be shorter than local_addrs.
-            spans = block_spans(zip(local_addrs, [slot.address for slot in pinned.slots], strict=False),
-                                self.block_nbytes)
+            spans = block_spans(zip(local_addrs, pinned.slots.addresses, strict=False), self.block_nbytes)
             if pinned.tail is not None:
                 if tail_addr is None:
                     raise ValueError("the store has a tail block but no tail_addr was given")
@@ -206,8 +234,8 @@ class StoreClient:
         finally:
             call.cancel()
 
-    async def read_slots(self, slots: Sequence[SlotInfo], local_addrs: Sequence[int]) -> int:
-        spans = block_spans(zip(local_addrs, [s.address for s in slots], strict=True), self.block_nbytes)
+    async def read_slots(self, slots: SlotColumns, local_addrs: Sequence[int]) -> int:
+        spans = block_spans(zip(local_addrs, slots.addresses, strict=True), self.block_nbytes)
         return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
 
     async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
