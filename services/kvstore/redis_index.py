@@ -22,8 +22,9 @@ log = logs.get("kvstore.index")
 
 # One flush's changes, unpacked in Redis: ARGV holds pairs (tier, or "" for dropped; the keys as
 # one hex string, 32 characters each). Sent as HSET/HDEL arguments instead, redis-py encodes
-# each one in Python on the store's event loop: 20-25 ms for 8,192 blocks, a stall for every
-# control call behind it; this way the loop joins and hex-encodes one string per tier.
+# each one in Python on the store's event loop: 12 ms of its CPU for 8,192 blocks, a stall for
+# every control call behind it; this way the loop joins and hex-encodes one string per tier
+# (1.7 ms), and Redis spends about 5 ms more than on the plain HSET.
 APPLY_CHANGES = """
 local index = KEYS[1]
 for a = 1, #ARGV, 2 do
