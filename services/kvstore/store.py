@@ -1,13 +1,10 @@
-"""BlockStore: which key lives in which slot of which tier, pins, leases, LRU eviction, watchers.
+"""BlockStore: puts, commits, gets and watches of blocks, under leases that pin them.
 
-Single-threaded by design: only the server's event loop calls it, so it needs no locks.
+Single-threaded by design: only the server's event loop calls it, so it needs no locks. Where
+blocks live, their eviction and their moves between tiers are `tiers.TieredBlocks`'s.
 Invariants:
 - an entry is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
   and (for a per-request tail) until its TTL lapses; pinned entries are never evicted;
-- a tier's `evictable` order holds exactly its committed, unpinned, non-tail entries: first the
-  copies their writers keep (oldest first), then the rest (least recently used first);
-- eviction from the device tier demotes to DRAM (dropping DRAM's LRU to make room, or dropping
-  the block itself when DRAM is all pinned); eviction from DRAM drops;
 - a DRAM hit is served from DRAM and promoted to the device tier when its last reader releases.
 """
 
@@ -17,144 +14,43 @@ import time
 from collections.abc import Iterable
 from itertools import repeat
 
-from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.kvstore.entries import (
-    DEVICE,
-    DRAM,
-    Counters,
-    Entry,
-    EvictionOrder,
-    Lease,
-    SlotRef,
-    Slots,
-    SlotState,
-    Watcher,
-)
+from pdserve.errors import InvalidArgument, NotFound
+from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, Lease, SlotRef, Slots, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
-from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
+from services.kvstore.memory import TierMemory
+from services.kvstore.tiers import TieredBlocks
 from services.kvstore.watches import Watches
 
 __all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "Slots", "SlotState"]
 
 
 class BlockStore:
-    """Owns every entry, tier LRU, lease and watcher of one store process."""
+    """Owns the leases, the held tails and the watchers of one store process; its blocks are
+    `self.blocks`'s."""
 
     def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
                  index: IndexSink | None = None, clock=time.monotonic):
-        self.tiers = {DEVICE: device, DRAM: dram}
-        self._base = {DEVICE: device.base_address, DRAM: dram.base_address}
+        self.counters = Counters()
+        self.blocks = TieredBlocks(device, dram, index or NullIndexSink(), self.counters)
+        # The blocks' own state, named here too (the same objects; `blocks` owns them).
+        self.entries, self.evictable, self.tiers = self.blocks.entries, self.blocks.evictable, self.blocks.tiers
         self.block_nbytes = device.block_nbytes
-        self.index = index or NullIndexSink()
         self.clock = clock
-        self.entries: dict[bytes, Entry] = {}
-        self.evictable: dict[str, EvictionOrder] = {DEVICE: EvictionOrder(), DRAM: EvictionOrder()}
         self.leases = Leases(default_lease_s, clock)
         self.held_tails: set[bytes] = set()  # committed tails pinned by their TTL: all `reap` looks at
         self.watchers = Watches()
-        self.counters = Counters()
-        self.copies = DeferredCopies(self.tiers)  # an allocation's demotions copy in one batch
 
-    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def index(self) -> IndexSink:
+        return self.blocks.index
+
+    @index.setter
+    def index(self, sink: IndexSink) -> None:  # the Redis mirror is made after the store it mirrors
+        self.blocks.index = sink
+
     def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
-        return SlotRef(entry.key, self._base[entry.tier] + entry.slot * self.block_nbytes, entry.tier, state)
-
-    def _pin(self, entry: Entry) -> None:
-        if entry.pins == 0:
-            self.evictable[entry.tier].discard(entry.key)
-        entry.pins += 1
-
-    def _unpin(self, entry: Entry) -> None:
-        entry.pins -= 1
-        assert entry.pins >= 0, entry
-        if entry.pins == 0 and entry.is_tail:
-            self._drop(entry)  # a tail's TTL pin is gone and so is its last reader
-        elif entry.pins == 0 and entry.committed:
-            self.evictable[entry.tier].add(entry)
-            if entry.promote_on_release:
-                entry.promote_on_release = False
-                self._promote(entry)
-
-    def _keep(self, entry: Entry) -> None:
-        """Most recently used, and no longer a copy its writer keeps (the writer let it go)."""
-        order = self.evictable[entry.tier]
-        if entry.duplicate:
-            entry.duplicate = False
-            if entry.pins == 0 and entry.committed:
-                order.discard(entry.key)
-                order.add(entry)
-        order.touch(entry.key)
-
-    def _room(self, tier: str) -> int:
-        return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
-
-    # -- eviction --------------------------------------------------------------------------
-    def _drop(self, entry: Entry) -> None:
-        self.copies.forget(entry.tier, entry.slot)
-        self.evictable[entry.tier].discard(entry.key)
-        self.tiers[entry.tier].allocator.free(entry.slot)
-        del self.entries[entry.key]
-        if not entry.is_tail and entry.committed:
-            self.index.dropped(entry.key)
-
-    def _free_one(self, tier: str) -> None:
-        """Make one slot free in `tier` by evicting its first unpinned block (see EvictionOrder)."""
-        entry = self.entries[self.evictable[tier].pop_first()]
-        self.counters.evictions[tier] += 1
-        if tier == DEVICE and self._room(DRAM) > 0:
-            self._move(entry, DRAM)  # demote
-        else:
-            self._drop(entry)
-
-    def _take_slots(self, tier: str, n: int) -> list[int]:
-        mem = self.tiers[tier]
-        while mem.allocator.num_free < n:
-            self._free_one(tier)
-        return mem.allocator.allocate(n)
-
-    def _move(self, entry: Entry, tier: str) -> None:
-        [slot] = self._take_slots(tier, 1)
-        self.copies.copy(entry.tier, entry.slot, tier, slot)
-        self.tiers[entry.tier].allocator.free(entry.slot)
-        self.evictable[entry.tier].discard(entry.key)
-        entry.tier, entry.slot = tier, slot
-        if entry.pins == 0 and entry.committed and not entry.is_tail:
-            self.evictable[tier].add(entry)
-        self.index.moved(entry.key, tier)
-
-    def _promote(self, entry: Entry) -> None:
-        if entry.tier != DRAM or self._room(DEVICE) == 0:
-            return
-        self.counters.promotions += 1
-        if self.tiers[DEVICE].allocator.num_free > 0:
-            self._move(entry, DEVICE)
-            return
-        # Device full: swap with its first to evict, which takes our DRAM slot.
-        victim = self.entries[self.evictable[DEVICE].pop_first()]
-        self.evictable[DRAM].discard(entry.key)
-        device, dram = self.tiers[DEVICE], self.tiers[DRAM]
-        ours = dram.view(entry.slot).clone()
-        copy_slot(device, victim.slot, dram, entry.slot)
-        device.view(victim.slot).copy_(ours)
-        entry.tier, entry.slot, victim.tier, victim.slot = DEVICE, victim.slot, DRAM, entry.slot
-        self.evictable[DEVICE].add(entry)
-        self.evictable[DRAM].add(victim)
-        self.counters.evictions[DEVICE] += 1
-        self.index.moved(entry.key, DEVICE)
-        self.index.moved(victim.key, DRAM)
-
-    def _allocate(self, n: int) -> list[tuple[str, list[int]]]:
-        """n new slots, as (tier, slots): device tier first, the rest spilled to DRAM; all or nothing."""
-        room_dev, room_dram = self._room(DEVICE), self._room(DRAM)
-        if n > room_dev + room_dram:
-            raise ResourceExhausted(
-                f"store full: {n} blocks requested, {room_dev + room_dram} can be made free "
-                f"(the rest are pinned by readers or writers); retry later"
-            )
-        n_dev = min(n, room_dev)
-        with self.copies.batch():
-            return [(DEVICE, self._take_slots(DEVICE, n_dev)), (DRAM, self._take_slots(DRAM, n - n_dev))]
+        return self.blocks.slot_ref(entry, state)
 
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
@@ -183,12 +79,12 @@ class BlockStore:
         new_keys = [k for k in keys if k not in here] if here else keys
         # Making room must not evict the blocks of this very put that are already here.
         for entry in present:
-            self._pin(entry)
+            self.blocks.pin(entry)
         try:
-            placed = self._allocate(len(new_keys))
+            placed = self.blocks.allocate(len(new_keys))
         finally:
             for entry in present:
-                self._unpin(entry)
+                self.blocks.unpin(entry)
         lease = self.leases.new("write", lease_ms, request_id)
         if tail_key is not None:
             named.add(tail_key)
@@ -204,7 +100,7 @@ class BlockStore:
             done += len(slots)
             made = map(Entry, run, repeat(tier), slots, repeat(1), repeat(writer_keeps_copy))
             entries.update(zip(run, made, strict=True))
-            base, nbytes = self._base[tier], self.block_nbytes
+            base, nbytes = self.blocks.base[tier], self.block_nbytes
             addresses += [base + slot * nbytes for slot in slots]
             tiers += repeat(tier, len(slots))
         if tail_key is not None:
@@ -219,7 +115,7 @@ class BlockStore:
             hold.hold_s = hold_ms / 1000
             hold.held = [entries[h] for h in hashes if new is None or h in new or entries[h].committed]
             for entry in hold.held:
-                self._pin(entry)
+                self.blocks.pin(entry)
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self.leases.close(lease)
@@ -227,7 +123,7 @@ class BlockStore:
 
     def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
         if not new and entry.committed and not writer_keeps_copy:
-            self._keep(entry)
+            self.blocks.keep(entry)
         return self.slot_ref(entry, SlotState.WRITE if new else SlotState.PRESENT if entry.committed
                              else SlotState.PENDING)
 
@@ -301,7 +197,7 @@ class BlockStore:
             return None, Slots([], [], [], []), None
         lease = self.leases.new("read", lease_ms, request_id)
         # _pin_for_read of each block, inline (a prefix block is never a tail).
-        evictable, base, nbytes, tier_hits = self.evictable, self._base, self.block_nbytes, counters.tier_hits
+        evictable, base, nbytes, tier_hits = self.evictable, self.blocks.base, self.block_nbytes, counters.tier_hits
         addresses: list[int] = []
         tiers: list[str] = []
         for e in found:
@@ -322,7 +218,7 @@ class BlockStore:
         return lease, Slots(keys, addresses, tiers, [SlotState.PRESENT] * n), self.slot_ref(tail) if tail else None
 
     def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
-        self._pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
+        self.blocks.pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
         lease.pinned.append(entry.key)
         self.counters.bytes_read += self.block_nbytes
         if entry.tier == DRAM and not entry.is_tail:
@@ -381,7 +277,7 @@ class BlockStore:
         if lease.kind == "hold":
             for entry in lease.held:
                 if self.entries.get(entry.key) is entry:  # not dropped (its writer failed) since
-                    self._unpin(entry)
+                    self.blocks.unpin(entry)
                     unpinned += 1
             return unpinned, 0
         if lease.kind == "write" and lease.hold_id in self.leases:
@@ -392,14 +288,14 @@ class BlockStore:
                 continue
             if lease.kind == "write":
                 entry.pins -= 1
-                self._drop(entry)
+                self.blocks.drop(entry)
                 reclaimed += 1
             else:
                 if entry.is_tail and entry.tail_held:
                     entry.tail_held = False  # a per-request tail is read once: consumed, it goes
                     self.held_tails.discard(entry.key)
                     entry.pins -= 1
-                self._unpin(entry)
+                self.blocks.unpin(entry)
                 unpinned += 1
         return unpinned, reclaimed
 
@@ -413,5 +309,5 @@ class BlockStore:
         for entry in tails:
             entry.tail_held = False
             self.held_tails.discard(entry.key)
-            self._unpin(entry)
+            self.blocks.unpin(entry)
         return len(lapsed)
