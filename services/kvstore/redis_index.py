@@ -110,26 +110,31 @@ class RedisIndex:
                 self._rebuild = True
             await asyncio.sleep(self.interval_s)
 
+    async def _queue_changes(self, pipe, index: str, changes) -> dict[str, list[bytes]]:
+        """Queue (key, tier or None for dropped) changes on `pipe` as one script call; returns
+        the keys by tier ("" for dropped)."""
+        by_tier: dict[str, list[bytes]] = {}
+        for key, tier in changes:
+            if len(key) == HASH_BYTES:  # (only block hashes are indexed: 32 hex characters each)
+                by_tier.setdefault(tier or "", []).append(key)
+        if by_tier:
+            args = [a for tier, ks in by_tier.items() for a in (tier, b"".join(ks).hex())]
+            await self._apply(keys=[index], args=args, client=pipe)  # queued: runs with the rest
+        return by_tier
+
     async def flush(self) -> None:
         index = self.keys.store_index()
         # A transaction: the index and its change event land together (see index_events).
         pipe = self.redis.pipeline(transaction=True)
         if self._rebuild:
             pending, self._pending = {}, {}
-            contents = self.snapshot()
             pipe.delete(index)
-            for i in range(0, len(contents), 1000):
-                pipe.hset(index, mapping={k.hex(): tier for k, tier in contents[i : i + 1000]})
+            await self._queue_changes(pipe, index, self.snapshot())
             self._events.queue(pipe, reset=True)
         else:
             pending, self._pending = self._pending, {}
             if pending:
-                by_tier: dict[str, list[bytes]] = {}  # "" for dropped
-                for key, tier in pending.items():
-                    if len(key) == HASH_BYTES:  # (only block hashes are indexed: 32 hex characters each)
-                        by_tier.setdefault(tier or "", []).append(key)
-                args = [a for tier, ks in by_tier.items() for a in (tier, b"".join(ks).hex())]
-                await self._apply(keys=[index], args=args, client=pipe)  # queued: runs with the rest
+                by_tier = await self._queue_changes(pipe, index, pending.items())
                 self._events.queue(pipe, added=[k for tier, ks in by_tier.items() if tier for k in ks],
                                    removed=by_tier.get("", []))
         pipe.expire(index, INDEX_TTL_S)

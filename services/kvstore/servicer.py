@@ -65,7 +65,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Info(self, request, context):
         return pb.InfoResponse(
-            segment=self.segment, profile=profile_to_pb(self.profile), block_nbytes=self.store.block_nbytes,
+            segment=self.segment, profile=self.profile_pb, block_nbytes=self.store.block_nbytes,
             device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
             dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
             control_port=self.control_port)

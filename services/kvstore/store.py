@@ -49,9 +49,6 @@ class BlockStore:
     def index(self, sink: IndexSink) -> None:  # the Redis mirror is made after the store it mirrors
         self.blocks.index = sink
 
-    def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
-        return self.blocks.slot_ref(entry, state)
-
     # -- put -------------------------------------------------------------------------------
     def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
                      request_id: str, writer_keeps_copy: bool = False,
@@ -124,7 +121,7 @@ class BlockStore:
     def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
         if not new and entry.committed and not writer_keeps_copy:
             self.blocks.keep(entry)
-        return self.slot_ref(entry, SlotState.WRITE if new else SlotState.PRESENT if entry.committed
+        return self.blocks.slot_ref(entry, SlotState.WRITE if new else SlotState.PRESENT if entry.committed
                              else SlotState.PENDING)
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
@@ -215,7 +212,8 @@ class BlockStore:
         counters.bytes_read += n * nbytes
         if tail is not None:
             self._pin_for_read(lease, tail)
-        return lease, Slots(keys, addresses, tiers, [SlotState.PRESENT] * n), self.slot_ref(tail) if tail else None
+        tail_ref = self.blocks.slot_ref(tail) if tail else None
+        return lease, Slots(keys, addresses, tiers, [SlotState.PRESENT] * n), tail_ref
 
     def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
         self.blocks.pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
@@ -248,7 +246,7 @@ class BlockStore:
 
     def _deliver(self, watcher: Watcher, entry: Entry) -> None:
         self._pin_for_read(watcher.lease, entry)
-        watcher.queue.put_nowait((watcher.wanted.pop(entry.key), self.slot_ref(entry)))
+        watcher.queue.put_nowait((watcher.wanted.pop(entry.key), self.blocks.slot_ref(entry)))
 
     def _notify(self, entry: Entry) -> None:
         for watcher in self.watchers.take(entry.key):
