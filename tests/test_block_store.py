@@ -19,8 +19,8 @@ class RecordingIndex:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def committed(self, key, tier):
-        self.events.append(("committed", key, tier))
+    def committed(self, entries):
+        self.events += [("committed", e.key, e.tier) for e in entries]
 
     def moved(self, key, tier):
         self.events.append(("moved", key, tier))
@@ -52,10 +52,10 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
     assert slots.states == [SlotState.WRITE] * 6
     assert slots[5] == (hashes[5], dram + 8, DRAM, SlotState.WRITE)
     assert [(store.entries[h].pins, store.entries[h].committed) for h in hashes] == [(1, False)] * 6
-    assert lease.pinned == hashes
+    assert [e.key for e in lease.pinned] == hashes
 
     assert store.commit(lease.lease_id, [hashes[5], hashes[0], hashes[0]]) == (2, False)  # a repeat counts once
-    assert lease.pinned == hashes[1:5]
+    assert [e.key for e in lease.pinned] == hashes[1:5]
     assert [store.entries[h].pins for h in hashes] == [0, 1, 1, 1, 1, 0]
     assert len(store.evictable[DEVICE]) == 1 and len(store.evictable[DRAM]) == 1
     assert store.commit(lease.lease_id) == (4, True)
@@ -101,7 +101,7 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     assert slots.keys == hashes[:5]
     assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram]
     assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states == [SlotState.PRESENT] * 5
-    assert lease.pinned == hashes[:5]
+    assert [e.key for e in lease.pinned] == hashes[:5]
     assert [store.entries[h].pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
     assert [store.entries[h].promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
     assert len(store.evictable[DEVICE]) == 0 and len(store.evictable[DRAM]) == 0
@@ -120,6 +120,30 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     none, empty, _ = store.get([_h(7)], None, 0, "r")
     assert none is None and len(empty) == 0
 
+
+
+def test_a_get_follows_a_puts_blocks_in_order_but_never_to_a_dropped_one():
+    """A get finds the block after one through the put that wrote both; where that block was
+    dropped and its hash written again by another put, or the chain goes elsewhere, it looks
+    the hash up: the answer is the blocks the store holds now, exactly."""
+    store, _ = _store(device=8)
+    dev = store.tiers[DEVICE].base_address
+    a, _ = store.allocate_put([_h(0), _h(1), _h(2)], None, 0, "a")
+    store.commit(a.lease_id, [_h(0), _h(1)])
+    dropped = store.entries[_h(2)]
+    assert store.release(a.lease_id) == (0, 1)  # its writer gave up: _h(2) is dropped
+    assert dropped.dropped and dropped.next is None and store.entries[_h(1)].next is dropped
+    b, slots = store.allocate_put([_h(2), _h(3)], None, 0, "b")
+    store.commit(b.lease_id)
+    assert slots.addresses == [dev + 16, dev + 24]  # _h(2)'s old slot, free again, and the next
+    lease, got, _ = store.get([_h(0), _h(1), _h(2), _h(3)], None, 0, "r")
+    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]
+    assert got.addresses == [dev, dev + 8, dev + 16, dev + 24]
+    assert [e is store.entries[k] for e, k in zip(lease.pinned, got.keys, strict=True)] == [True] * 4
+    assert [store.entries[_h(i)].pins for i in range(4)] == [1] * 4 and dropped.pins == 0
+    store.release(lease.lease_id)
+    lease, got, _ = store.get([_h(0), _h(3), _h(9)], None, 0, "r")  # _h(0) leads to _h(1), not _h(3)
+    assert got.keys == [_h(0), _h(3)] and got.addresses == [dev, dev + 24]
 
 def test_leases_lapse_at_their_deadline_and_closed_ones_are_remembered_a_while():
     from services.kvstore.leases import CLOSED_REMEMBERED, Leases

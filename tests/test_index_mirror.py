@@ -14,6 +14,7 @@ from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.redis_keys import RedisKeys
 from pdserve.serving.index_events import EventWriter, IndexEvent, worker_owner
 from pdserve.serving.registry import Registration
+from services.kvstore.entries import Entry
 from services.kvstore.redis_index import RedisIndex
 from services.router.index_mirror import IndexMirror, leading_runs
 from services.router.prefix_index import PrefixIndex
@@ -69,7 +70,7 @@ def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_loo
             await a.beat()
             store.dropped(chain[29])
             store.dropped(chain[0])
-            store.committed(chain[30], "device")
+            store.committed([Entry(chain[30], "device", 0)])
             store.moved(chain[12], "device")
             await store.flush()
             assert await mirror.poll(0) == 2
@@ -198,11 +199,9 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
         r = aioredis.Redis.from_url(shared_redis_url)
         try:
             await index.flush()  # the first flush rebuilds (empty) and resets
-            for h in held[:2500]:
-                index.committed(h, "device")
-            for h in held[2500:]:
-                index.committed(h, "dram")
-            index.committed(b"tail:req-1", "device")  # a per-request tail: never indexed
+            index.committed([Entry(h, "device", i) for i, h in enumerate(held[:2500])])
+            index.committed([Entry(h, "dram", i) for i, h in enumerate(held[2500:])])
+            index.committed([Entry(b"tail:req-1", "device", 0, is_tail=True)])  # a per-request tail: never indexed
             await index.flush()
             for h in held[:5]:
                 index.dropped(h)
@@ -217,6 +216,36 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
             assert [(e.seq, e.reset, len(e.added), e.removed) for e in events] == [
                 (1, True, 0, ()), (2, False, 4500, ()), (3, False, 4, tuple(held[:5]))]
             assert set(events[1].added) == set(held) and events[2].added == tuple(held[5:9])
+        finally:
+            await r.delete(keys.store_index(), keys.index_events())
+            await r.aclose()
+            await index.redis.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_told(shared_redis_url, key_prefix):
+    """A commit hands the index its entries, read at the flush; a move or drop told after it
+    wins, and a block committed again after its drop is indexed again."""
+    keys = RedisKeys(key_prefix)
+    a, b, c, d = _chain(8, 4)
+
+    async def go():
+        index = RedisIndex(shared_redis_url, keys, lambda: [])
+        r = aioredis.Redis.from_url(shared_redis_url)
+        try:
+            await index.flush()
+            moved = Entry(a, "device", 0)
+            index.committed([moved, Entry(b, "device", 1), Entry(c, "device", 2)])
+            moved.tier = "dram"  # the store moves the block, then tells of it
+            index.moved(a, "dram")
+            index.dropped(b)
+            index.dropped(c)
+            index.committed([Entry(c, "dram", 3)])
+            index.moved(d, "device")
+            await index.flush()
+            assert await r.hgetall(keys.store_index()) == {
+                a.hex().encode(): b"dram", c.hex().encode(): b"dram", d.hex().encode(): b"device"}
         finally:
             await r.delete(keys.store_index(), keys.index_events())
             await r.aclose()

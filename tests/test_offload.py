@@ -31,13 +31,32 @@ def test_pool_tells_of_each_evicted_block_before_reusing_its_page():
 
 def test_store_evicts_copies_first_oldest_first_then_least_recently_used():
     order = EvictionOrder()
-    for key, copy in ((b"l1", False), (b"c1", True), (b"l2", False), (b"c2", True), (b"l3", False)):
-        order.add(Entry(key, DRAM, 0, committed=True, duplicate=copy))
-    order.touch(b"l1")
-    order.touch(b"c1")  # a copy keeps its place among the copies
-    order.discard(b"l3")
+    made = {key: Entry(key, DRAM, 0, committed=True, duplicate=copy)
+            for key, copy in ((b"l1", False), (b"c1", True), (b"l2", False), (b"c2", True), (b"l3", False))}
+    for entry in made.values():
+        order.add(entry)
+    order.touch(made[b"l1"])
+    order.touch(made[b"c1"])  # a copy keeps its place among the copies
+    order.discard(made[b"l3"])
+    order.discard(made[b"l3"])  # discarding twice counts once
+    order.add(made[b"l2"])  # in the order already: keeps its place
     assert len(order) == 4
-    assert [order.pop_first() for _ in range(4)] == [b"c1", b"c2", b"l2", b"l1"]
+    assert [order.pop_first().key for _ in range(4)] == [b"c1", b"c2", b"l2", b"l1"]
+    assert len(order) == 0 and all(e.order_stamp == 0 for e in made.values())
+    with pytest.raises(KeyError):
+        order.pop_first()
+
+
+def test_the_eviction_order_sheds_its_dead_items_and_keeps_its_order():
+    order = EvictionOrder()
+    entries = [Entry(bytes([i]) * 16, DRAM, i, committed=True) for i in range(10)]
+    for entry in entries:
+        order.add(entry)
+    for _ in range(3000):  # readers pin and unpin: every touch leaves a dead item behind
+        for entry in entries[:5]:
+            order.touch(entry)
+    assert len(order) == 10 and len(order._items[1]) < 2 * (10 + 4096) + 1
+    assert [order.pop_first().key[0] for _ in range(10)] == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
 
 
 def duplicates(stack: Stack) -> int:

@@ -7,7 +7,7 @@ answers again the whole index is rebuilt from the store's contents.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
@@ -16,6 +16,7 @@ from pdserve.kv.hashing import HASH_BYTES
 from pdserve.redis_keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 from pdserve.serving.index_events import STORE_OWNER, EventWriter
 from pdserve.tasks import cancel_and_wait
+from services.kvstore.entries import Entry
 
 log = logs.get("kvstore.index")
 
@@ -62,6 +63,10 @@ class RedisIndex:
         self.connected = False
         self._rebuild = True  # first flush writes the whole index
         self._pending: dict[bytes, str | None] = {}  # key -> tier, None = dropped
+        # Changes told since the last flush, in order: (key, tier or None) or a commit's entries,
+        # whose keys and tiers are read at the flush (off the commit's path; later changes to
+        # them come later in the log).
+        self._log: list[tuple[bytes, str | None] | Sequence[Entry]] = []
         self._hits = 0
         self._misses = 0
         self._task: asyncio.Task | None = None
@@ -70,14 +75,25 @@ class RedisIndex:
         self._apply = self.redis.register_script(APPLY_CHANGES)
 
     # IndexSink: called on the event loop, never blocks.
-    def committed(self, key: bytes, tier: str) -> None:
-        self._pending[key] = tier
+    def committed(self, entries: Sequence[Entry]) -> None:
+        self._log.append(entries)
 
     def moved(self, key: bytes, tier: str) -> None:
-        self._pending[key] = tier
+        self._log.append((key, tier))
 
     def dropped(self, key: bytes) -> None:
-        self._pending[key] = None
+        self._log.append((key, None))
+
+    def _take_pending(self) -> dict[bytes, str | None]:
+        """The latest state of each key changed since the last flush."""
+        pending, self._pending = self._pending, {}
+        for change in self._log:
+            if isinstance(change, tuple):
+                pending[change[0]] = change[1]
+            else:
+                pending.update((e.key, e.tier) for e in change)
+        self._log = []
+        return pending
 
     def looked_up(self, hits: int, misses: int) -> None:
         self._hits += hits
@@ -127,12 +143,12 @@ class RedisIndex:
         # A transaction: the index and its change event land together (see index_events).
         pipe = self.redis.pipeline(transaction=True)
         if self._rebuild:
-            pending, self._pending = {}, {}
+            pending, self._pending, self._log = {}, {}, []
             pipe.delete(index)
             await self._queue_changes(pipe, index, self.snapshot())
             self._events.queue(pipe, reset=True)
         else:
-            pending, self._pending = self._pending, {}
+            pending = self._take_pending()
             if pending:
                 by_tier = await self._queue_changes(pipe, index, pending.items())
                 self._events.queue(pipe, added=[k for tier, ks in by_tier.items() if tier for k in ks],

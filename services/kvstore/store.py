@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
 
@@ -86,7 +87,6 @@ class BlockStore:
         if tail_key is not None:
             named.add(tail_key)
         lease.all_keys = named
-        lease.pinned = list(new_keys)
         # New: in no eviction order yet, so pinned (the writer's pin) without _pin's look-up;
         # built a tier's run at a time, with their slots' columns.
         addresses: list[int] = []
@@ -95,11 +95,14 @@ class BlockStore:
         for tier, slots in placed:
             run = new_keys[done : done + len(slots)]
             done += len(slots)
-            made = map(Entry, run, repeat(tier), slots, repeat(1), repeat(writer_keeps_copy))
+            made = list(map(Entry, run, repeat(tier), slots, repeat(1), repeat(writer_keeps_copy)))
             entries.update(zip(run, made, strict=True))
+            lease.pinned += made
             base, nbytes = self.blocks.base[tier], self.block_nbytes
             addresses += [base + slot * nbytes for slot in slots]
             tiers += repeat(tier, len(slots))
+        made = lease.pinned
+        deque(map(setattr, made, repeat("next"), made[1:]), maxlen=0)  # each new block's next (a loop in C)
         if tail_key is not None:
             entries[tail_key].is_tail = True
         new = set(new_keys) if present else None  # None: every block is new
@@ -134,22 +137,25 @@ class BlockStore:
             raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
         if lease.kind != "write":
             raise InvalidArgument(f"lease {lease_id!r} is a read lease")
-        wanted = lease.pinned if keys is None else list(keys)
-        if keys is not None:
-            for key in wanted:
+        if keys is None:
+            wanted = lease.pinned  # the entries it wrote that are still uncommitted
+        else:
+            keys = list(keys)
+            for key in keys:
                 if key not in lease.all_keys:
                     raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
-        uncommitted = set(lease.pinned)  # a write lease names each key once (allocate_put checks)
-        entries, evictable, index, notify = self.entries, self.evictable, self.index, bool(self.watchers)
-        count = 0
-        for key in wanted:
-            if key not in uncommitted:
-                continue  # already committed by this lease, or written by another writer
-            uncommitted.discard(key)
-            count += 1
-            entry = entries[key]
+            # Keys it named but did not write (present, or another writer's) are not its to commit.
+            mine = {e.key: e for e in lease.pinned}
+            wanted = [mine[k] for k in keys if k in mine]
+        evictable, notify = self.evictable, bool(self.watchers)
+        done: list[Entry] = []
+        tail: Entry | None = None
+        for entry in wanted:
+            if entry.committed:
+                continue  # a key named twice in this call
             entry.committed = True
             if entry.is_tail:
+                tail = entry
                 entry.tail_held = True  # the writer's pin becomes the TTL pin
                 entry.tail_expires = self.clock() + self.leases.seconds(tail_ttl_ms)
                 self.held_tails.add(entry.key)
@@ -159,12 +165,15 @@ class BlockStore:
                 entry.pins -= 1
                 if entry.pins == 0:
                     evictable[entry.tier].add(entry)
-                index.committed(key, entry.tier)
+                done.append(entry)
             if notify:
                 self._notify(entry)
+        count = len(done) + (tail is not None)
+        if done:
+            self.index.committed(done)
         self.counters.bytes_written += count * self.block_nbytes
         if count:
-            lease.pinned = [k for k in lease.pinned if k in uncommitted] if uncommitted else []
+            lease.pinned = [e for e in lease.pinned if not e.committed] if keys is not None else []
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
@@ -178,8 +187,12 @@ class BlockStore:
             request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
         entries = self.entries
         found: list[Entry] = []
+        entry = None
         for h in hashes:
-            entry = entries.get(h)
+            # The block after one is most often the next of the same put (see Entry.next):
+            # followed there rather than looked up (objects made together lie together in memory).
+            after = entry.next if entry is not None else None
+            entry = after if after is not None and after.key == h and not after.dropped else entries.get(h)
             if entry is None or not entry.committed:
                 break
             found.append(entry)
@@ -193,22 +206,20 @@ class BlockStore:
         if not found and tail is None:
             return None, Slots([], [], [], []), None
         lease = self.leases.new("read", lease_ms, request_id)
-        # _pin_for_read of each block, inline (a prefix block is never a tail).
-        evictable, base, nbytes, tier_hits = self.evictable, self.blocks.base, self.block_nbytes, counters.tier_hits
-        addresses: list[int] = []
-        tiers: list[str] = []
-        for e in found:
-            tier = e.tier
-            if e.pins == 0:
-                evictable[tier].discard(e.key)
-            e.pins += 1
-            tier_hits[tier] += 1
-            if tier == DRAM:
-                e.promote_on_release = True
-            addresses.append(base[tier] + e.slot * nbytes)
-            tiers.append(tier)
+        # _pin_for_read of each block, a loop at a time (a prefix block is never a tail).
+        tiers = [e.tier for e in found]
+        self.blocks.pin_all(found, tiers)
+        n_dram = tiers.count(DRAM)
+        counters.tier_hits[DEVICE] += n - n_dram
+        counters.tier_hits[DRAM] += n_dram
+        if n_dram:  # promoted when its last reader lets go
+            for e in found:
+                if e.tier == DRAM:
+                    e.promote_on_release = True
+        base, nbytes = self.blocks.base, self.block_nbytes
+        addresses = [base[tier] + e.slot * nbytes for e, tier in zip(found, tiers, strict=True)]
         keys = hashes[:n]
-        lease.pinned = list(keys)
+        lease.pinned = found
         counters.bytes_read += n * nbytes
         if tail is not None:
             self._pin_for_read(lease, tail)
@@ -217,7 +228,7 @@ class BlockStore:
 
     def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
         self.blocks.pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
-        lease.pinned.append(entry.key)
+        lease.pinned.append(entry)
         self.counters.bytes_read += self.block_nbytes
         if entry.tier == DRAM and not entry.is_tail:
             entry.promote_on_release = True
@@ -274,16 +285,13 @@ class BlockStore:
         unpinned = reclaimed = 0
         if lease.kind == "hold":
             for entry in lease.held:
-                if self.entries.get(entry.key) is entry:  # not dropped (its writer failed) since
+                if not entry.dropped:  # (its writer failed since, and it was reclaimed)
                     self.blocks.unpin(entry)
                     unpinned += 1
             return unpinned, 0
         if lease.kind == "write" and lease.hold_id in self.leases:
             self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
-        for key in lease.pinned:
-            entry = self.entries.get(key)
-            if entry is None:
-                continue
+        for entry in lease.pinned:  # each still here: pinned, so neither evicted nor dropped
             if lease.kind == "write":
                 entry.pins -= 1
                 self.blocks.drop(entry)

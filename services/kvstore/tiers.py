@@ -36,8 +36,18 @@ class TieredBlocks:
 
     def pin(self, entry: Entry) -> None:
         if entry.pins == 0:
-            self.evictable[entry.tier].discard(entry.key)
+            self.evictable[entry.tier].discard(entry)
         entry.pins += 1
+
+    def pin_all(self, entries: list[Entry], tiers: list[str]) -> None:
+        """pin() of each of `entries` (`tiers`: theirs), a loop at a time rather than a call each."""
+        if DRAM not in tiers:
+            self.evictable[DEVICE].discard_all(entries)
+        else:
+            for tier, order in self.evictable.items():
+                order.discard_all([e for e, t in zip(entries, tiers, strict=True) if t == tier])
+        for entry in entries:
+            entry.pins += 1
 
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
@@ -56,9 +66,9 @@ class TieredBlocks:
         if entry.duplicate:
             entry.duplicate = False
             if entry.pins == 0 and entry.committed:
-                order.discard(entry.key)
+                order.discard(entry)
                 order.add(entry)
-        order.touch(entry.key)
+        order.touch(entry)
 
     def room(self, tier: str) -> int:
         return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
@@ -66,15 +76,16 @@ class TieredBlocks:
     # -- eviction --------------------------------------------------------------------------
     def drop(self, entry: Entry) -> None:
         self.copies.forget(entry.tier, entry.slot)
-        self.evictable[entry.tier].discard(entry.key)
+        self.evictable[entry.tier].discard(entry)
         self.tiers[entry.tier].allocator.free(entry.slot)
         del self.entries[entry.key]
+        entry.dropped, entry.next = True, None  # what it led to is not kept alive by it
         if not entry.is_tail and entry.committed:
             self.index.dropped(entry.key)
 
     def _free_one(self, tier: str) -> None:
         """Make one slot free in `tier` by evicting its first unpinned block (see EvictionOrder)."""
-        entry = self.entries[self.evictable[tier].pop_first()]
+        entry = self.evictable[tier].pop_first()
         self.counters.evictions[tier] += 1
         if tier == DEVICE and self.room(DRAM) > 0:
             self._move(entry, DRAM)  # demote
@@ -91,7 +102,7 @@ class TieredBlocks:
         [slot] = self._take_slots(tier, 1)
         self.copies.copy(entry.tier, entry.slot, tier, slot)
         self.tiers[entry.tier].allocator.free(entry.slot)
-        self.evictable[entry.tier].discard(entry.key)
+        self.evictable[entry.tier].discard(entry)
         entry.tier, entry.slot = tier, slot
         if entry.pins == 0 and entry.committed and not entry.is_tail:
             self.evictable[tier].add(entry)
@@ -105,8 +116,8 @@ class TieredBlocks:
             self._move(entry, DEVICE)
             return
         # Device full: swap with its first to evict, which takes our DRAM slot.
-        victim = self.entries[self.evictable[DEVICE].pop_first()]
-        self.evictable[DRAM].discard(entry.key)
+        victim = self.evictable[DEVICE].pop_first()
+        self.evictable[DRAM].discard(entry)
         device, dram = self.tiers[DEVICE], self.tiers[DRAM]
         ours = dram.view(entry.slot).clone()
         copy_slot(device, victim.slot, dram, entry.slot)
@@ -120,6 +131,9 @@ class TieredBlocks:
 
     def allocate(self, n: int) -> list[tuple[str, list[int]]]:
         """n new slots, as (tier, slots): device tier first, the rest spilled to DRAM; all or nothing."""
+        device = self.tiers[DEVICE].allocator
+        if device.num_free >= n:  # room without evicting: nothing moves
+            return [(DEVICE, device.allocate(n))]
         room_dev, room_dram = self.room(DEVICE), self.room(DRAM)
         if n > room_dev + room_dram:
             raise ResourceExhausted(
