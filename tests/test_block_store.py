@@ -164,3 +164,29 @@ def test_leases_lapse_at_their_deadline_and_closed_ones_are_remembered_a_while()
     for _ in range(CLOSED_REMEMBERED):
         leases.close(leases.new("hold", 0, "d"))
     assert not leases.closed("w2") and leases.closed(f"h{3 + CLOSED_REMEMBERED}")
+
+
+def test_a_store_that_turns_over_keeps_no_dropped_entry_but_the_one_a_live_entry_leads_to():
+    """Eviction drops blocks while other blocks of their puts live on: a live entry may still
+    point at the dropped one after it (never followed), but nothing more is kept, and the
+    eviction orders shed their dead items."""
+    import gc
+
+    from services.kvstore.entries import SHED_AFTER, Entry
+
+    store, _ = _store(device=16, dram=4)
+    for i in range(500):
+        lease, _ = store.allocate_put([bytes([i % 256, i // 256]) + bytes([k]) * 14 for k in range(8)], None, 0, "w")
+        store.commit(lease.lease_id)
+        if i % 3 == 0:  # a reader keeps the first block of some puts in use: the rest are evicted first
+            read, _, _ = store.get([bytes([i % 256, i // 256]) + bytes(14)], None, 0, "r")
+            store.release(read.lease_id)
+    gc.collect()
+    made = [o for o in gc.get_objects() if type(o) is Entry]
+    live = store.entries.values()
+    queued = [item for order in store.evictable.values() for items in order._items for item in items]
+    kept = {id(e.next) for e in live} | set(map(id, queued))
+    dead = [e for e in made if id(e) not in set(map(id, live))]
+    assert len(store.entries) == 20 and len(dead) > 0
+    assert all(e.dropped and e.next is None and id(e) in kept for e in dead)
+    assert len(queued) <= 4 * (2 * 20 + SHED_AFTER)  # two queues per tier, each shed past this

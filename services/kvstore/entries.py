@@ -99,7 +99,7 @@ class EvictionOrder:
         entry.order_stamp = stamp = next(_STAMPS)
         self._items[q].append(entry)
         self._stamps[q].append(stamp)
-        if len(self._items[q]) > 2 * (self._live + 4096):  # mostly dead: keep the live only
+        if len(self._items[q]) > 2 * self._live + SHED_AFTER:  # mostly dead: keep the live only
             self._compact()
 
     def _compact(self) -> None:
@@ -111,6 +111,7 @@ class EvictionOrder:
             self._heads[q] = 0
 
 
+SHED_AFTER = 1024  # dead items an order may hold beyond as many as its live ones
 _STAMPS = itertools.count(1)  # one sequence for every order: an entry moved between tiers keeps no stale item live
 
 
