@@ -62,10 +62,9 @@ class RedisIndex:
         self.interval_s = interval_s
         self.connected = False
         self._rebuild = True  # first flush writes the whole index
-        self._pending: dict[bytes, str | None] = {}  # key -> tier, None = dropped
-        # Changes told since the last flush, in order: (key, tier or None) or a commit's entries,
-        # whose keys and tiers are read at the flush (off the commit's path; later changes to
-        # them come later in the log).
+        # Changes not yet in Redis, in order: (key, tier or None for dropped) or a commit's
+        # entries, whose keys and tiers are read at the flush (off the commit's path; later
+        # changes to them come later in the log).
         self._log: list[tuple[bytes, str | None] | Sequence[Entry]] = []
         self._hits = 0
         self._misses = 0
@@ -86,7 +85,7 @@ class RedisIndex:
 
     def _take_pending(self) -> dict[bytes, str | None]:
         """The latest state of each key changed since the last flush."""
-        pending, self._pending = self._pending, {}
+        pending: dict[bytes, str | None] = {}
         for change in self._log:
             if isinstance(change, tuple):
                 pending[change[0]] = change[1]
@@ -143,7 +142,7 @@ class RedisIndex:
         # A transaction: the index and its change event land together (see index_events).
         pipe = self.redis.pipeline(transaction=True)
         if self._rebuild:
-            pending, self._pending, self._log = {}, {}, []
+            pending, self._log = {}, []
             pipe.delete(index)
             await self._queue_changes(pipe, index, self.snapshot())
             self._events.queue(pipe, reset=True)
@@ -163,8 +162,7 @@ class RedisIndex:
         try:
             await pipe.execute()
         except BaseException:
-            for key, tier in pending.items():  # keep what was not written; newer changes win
-                self._pending.setdefault(key, tier)
+            self._log[:0] = pending.items()  # not written: ahead of what came since, which wins
             raise
         self._hits -= hits
         self._misses -= misses

@@ -101,8 +101,8 @@ class BlockStore:
             base, nbytes = self.blocks.base[tier], self.block_nbytes
             addresses += [base + slot * nbytes for slot in slots]
             tiers += repeat(tier, len(slots))
-        made = lease.pinned
-        deque(map(setattr, made, repeat("next"), made[1:]), maxlen=0)  # each new block's next (a loop in C)
+        new_entries = lease.pinned  # every entry this put made, in its order
+        deque(map(setattr, new_entries, repeat("next"), new_entries[1:]), maxlen=0)  # each one's next (a loop in C)
         if tail_key is not None:
             entries[tail_key].is_tail = True
         new = set(new_keys) if present else None  # None: every block is new
