@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.errors import NotFound
+from pdserve.errors import InvalidArgument, NotFound
 from services.kvstore.memory import TierMemory
 from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotState
 
@@ -19,8 +19,8 @@ class RecordingIndex:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def committed(self, entries):
-        self.events += [("committed", e.key, e.tier) for e in entries]
+    def committed(self, keys, tiers):
+        self.events += [("committed", k, t) for k, t in zip(keys, tiers, strict=True)]
 
     def moved(self, key, tier):
         self.events.append(("moved", key, tier))
@@ -41,6 +41,10 @@ def _h(i: int) -> bytes:
     return bytes([i]) * 16
 
 
+def _keys(store: BlockStore, block_ids: list[int]) -> list[bytes]:
+    return [store.table.keys[i] for i in block_ids]
+
+
 def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
     store, index = _store()
     dev, dram = store.tiers[DEVICE].base_address, store.tiers[DRAM].base_address
@@ -51,12 +55,12 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
     assert slots.tiers == [DEVICE] * 4 + [DRAM] * 2
     assert slots.states == [SlotState.WRITE] * 6
     assert slots[5] == (hashes[5], dram + 8, DRAM, SlotState.WRITE)
-    assert [(store.entries[h].pins, store.entries[h].committed) for h in hashes] == [(1, False)] * 6
-    assert [e.key for e in lease.pinned] == hashes
+    assert [(store.block(h).pins, store.block(h).committed) for h in hashes] == [(1, False)] * 6
+    assert _keys(store, lease.pinned) == hashes
 
     assert store.commit(lease.lease_id, [hashes[5], hashes[0], hashes[0]]) == (2, False)  # a repeat counts once
-    assert [e.key for e in lease.pinned] == hashes[1:5]
-    assert [store.entries[h].pins for h in hashes] == [0, 1, 1, 1, 1, 0]
+    assert _keys(store, lease.pinned) == hashes[1:5]
+    assert [store.block(h).pins for h in hashes] == [0, 1, 1, 1, 1, 0]
     assert len(store.evictable[DEVICE]) == 1 and len(store.evictable[DRAM]) == 1
     assert store.commit(lease.lease_id) == (4, True)
     assert store.commit(lease.lease_id) == (0, True)  # idempotent once closed
@@ -64,7 +68,7 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
         ("committed", hashes[5], DRAM), ("committed", hashes[0], DEVICE),
         *[("committed", h, DEVICE) for h in hashes[1:4]], ("committed", hashes[4], DRAM)]
     assert store.counters.bytes_written == 6 * NBYTES
-    assert all(e.pins == 0 and e.committed for e in store.entries.values())
+    assert all(store.block(h).pins == 0 and store.block(h).committed for h in hashes)
     assert len(store.leases) == 0
 
 
@@ -77,16 +81,17 @@ def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
     assert slots.keys == [_h(1), _h(2), _h(3), b"tail:r2"]
     assert slots.states == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
     assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24]
-    assert store.entries[b"tail:r2"].is_tail and not store.entries[_h(3)].is_tail
+    assert store.block(b"tail:r2").is_tail and not store.block(_h(3)).is_tail
     hold = store.leases.get(lease.hold_id)
-    assert [e.key for e in hold.held] == [_h(1), _h(3)]  # not r1's block still being written
-    assert [store.entries[h].pins for h in (_h(1), _h(2), _h(3))] == [1, 1, 2]
+    assert _keys(store, hold.held) == [_h(1), _h(3)]  # not r1's block still being written
+    assert [store.block(h).pins for h in (_h(1), _h(2), _h(3))] == [1, 1, 2]
     with pytest.raises(NotFound, match="is not part of write lease"):
         store.commit(lease.lease_id, [_h(3), _h(4)])
     assert store.commit(lease.lease_id, [_h(1), b"tail:r2", _h(3)], tail_ttl_ms=500) == (2, True)
-    assert store.entries[_h(3)].pins == 1 and store.entries[b"tail:r2"].tail_held  # the hold's, the TTL's
+    assert store.block(_h(3)).pins == 1 and store.block(b"tail:r2").pins == 1  # the hold's, the TTL's
+    assert b"tail:r2" in store.held_tails
     assert store.release(hold.lease_id) == (2, 0)
-    assert [store.entries[h].pins for h in (_h(1), _h(3))] == [0, 0]
+    assert [store.block(h).pins for h in (_h(1), _h(3))] == [0, 0]
 
 
 def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
@@ -101,9 +106,9 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     assert slots.keys == hashes[:5]
     assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram]
     assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states == [SlotState.PRESENT] * 5
-    assert [e.key for e in lease.pinned] == hashes[:5]
-    assert [store.entries[h].pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
-    assert [store.entries[h].promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
+    assert _keys(store, lease.pinned) == hashes[:5]
+    assert [store.block(h).pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
+    assert [store.block(h).promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
     assert len(store.evictable[DEVICE]) == 0 and len(store.evictable[DRAM]) == 0
     assert (store.counters.hits, store.counters.misses, store.counters.tier_hits) == (5, 2, {DEVICE: 4, DRAM: 1})
     assert store.counters.bytes_read == 5 * NBYTES
@@ -111,12 +116,12 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
 
     # Released, the DRAM hit is promoted: it swaps places with the device's first to evict.
     assert store.release(lease.lease_id) == (5, 0)
-    assert (store.entries[hashes[4]].tier, store.entries[hashes[4]].slot) == (DEVICE, 0)
-    assert (store.entries[hashes[0]].tier, store.entries[hashes[0]].slot) == (DRAM, 0)
+    assert store.locate(hashes[4]) == (DEVICE, 0)
+    assert store.locate(hashes[0]) == (DRAM, 0)
     assert store.counters.promotions == 1
     assert index.events[1:] == [("moved", hashes[4], DEVICE), ("moved", hashes[0], DRAM)]
     assert store.release(put.lease_id) == (0, 1)  # the writer gives up its last block: reclaimed
-    assert hashes[5] not in store.entries and store.tiers[DRAM].allocator.num_free == 3
+    assert hashes[5] not in store.table and store.tiers[DRAM].allocator.num_free == 3
     none, empty, _ = store.get([_h(7)], None, 0, "r")
     assert none is None and len(empty) == 0
 
@@ -130,20 +135,23 @@ def test_a_get_follows_a_puts_blocks_in_order_but_never_to_a_dropped_one():
     dev = store.tiers[DEVICE].base_address
     a, _ = store.allocate_put([_h(0), _h(1), _h(2)], None, 0, "a")
     store.commit(a.lease_id, [_h(0), _h(1)])
-    dropped = store.entries[_h(2)]
+    assert store.table.next[:3] == [1, 2, -1]
     assert store.release(a.lease_id) == (0, 1)  # its writer gave up: _h(2) is dropped
-    assert dropped.dropped and dropped.next is None and store.entries[_h(1)].next is dropped
-    b, slots = store.allocate_put([_h(2), _h(3)], None, 0, "b")
+    assert _h(2) not in store.table and store.table.keys[2] is None and store.table.next[1] == 2
+    b, slots = store.allocate_put([_h(3), _h(4), _h(2)], None, 0, "b")
     store.commit(b.lease_id)
-    assert slots.addresses == [dev + 16, dev + 24]  # _h(2)'s old slot, free again, and the next
+    assert slots.addresses == [dev + 16, dev + 24, dev + 32]  # _h(2)'s old row now holds _h(3)
     lease, got, _ = store.get([_h(0), _h(1), _h(2), _h(3)], None, 0, "r")
-    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]
-    assert got.addresses == [dev, dev + 8, dev + 16, dev + 24]
-    assert [e is store.entries[k] for e, k in zip(lease.pinned, got.keys, strict=True)] == [True] * 4
-    assert [store.entries[_h(i)].pins for i in range(4)] == [1] * 4 and dropped.pins == 0
+    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]  # _h(1)'s next row holds _h(3) now: _h(2) looked up
+    assert got.addresses == [dev, dev + 8, dev + 32, dev + 16]
+    assert lease.pinned == [0, 1, 4, 2] and [store.block(_h(i)).pins for i in range(5)] == [1, 1, 1, 1, 0]
     store.release(lease.lease_id)
-    lease, got, _ = store.get([_h(0), _h(3), _h(9)], None, 0, "r")  # _h(0) leads to _h(1), not _h(3)
-    assert got.keys == [_h(0), _h(3)] and got.addresses == [dev, dev + 24]
+    lease, got, _ = store.get([_h(3), _h(4), _h(2), _h(9)], None, 0, "r")  # followed all the way
+    assert got.keys == [_h(3), _h(4), _h(2)] and got.addresses == [dev + 16, dev + 24, dev + 32]
+    with pytest.raises(InvalidArgument, match="repeat within one get"):
+        store.get([_h(0), _h(1), _h(0)], None, 0, "r")
+    assert [store.block(_h(i)).pins for i in range(5)] == [0, 0, 1, 1, 1]
+
 
 def test_leases_lapse_at_their_deadline_and_closed_ones_are_remembered_a_while():
     from services.kvstore.leases import CLOSED_REMEMBERED, Leases
@@ -166,27 +174,27 @@ def test_leases_lapse_at_their_deadline_and_closed_ones_are_remembered_a_while()
     assert not leases.closed("w2") and leases.closed(f"h{3 + CLOSED_REMEMBERED}")
 
 
-def test_a_store_that_turns_over_keeps_no_dropped_entry_but_the_one_a_live_entry_leads_to():
-    """Eviction drops blocks while other blocks of their puts live on: a live entry may still
-    point at the dropped one after it (never followed), but nothing more is kept, and the
-    eviction orders shed their dead items."""
-    import gc
+def test_a_store_that_turns_over_leaves_clean_rows_and_sheds_its_dead_order_items():
+    """Eviction drops blocks while other blocks of their puts live on: every row without a
+    block is clear, every row with one is its key's, and the eviction orders shed their dead
+    items (each touch and each move leaves one behind)."""
+    from services.kvstore.order import SHED_AFTER
 
-    from services.kvstore.entries import SHED_AFTER, Entry
+    def put(i: int) -> list[bytes]:
+        return [bytes([i % 256, i // 256]) + bytes([k]) * 14 for k in range(8)]
 
     store, _ = _store(device=16, dram=4)
     for i in range(500):
-        lease, _ = store.allocate_put([bytes([i % 256, i // 256]) + bytes([k]) * 14 for k in range(8)], None, 0, "w")
+        lease, _ = store.allocate_put(put(i), None, 0, "w")
         store.commit(lease.lease_id)
         if i % 3 == 0:  # a reader keeps the first block of some puts in use: the rest are evicted first
-            read, _, _ = store.get([bytes([i % 256, i // 256]) + bytes(14)], None, 0, "r")
+            read, _, _ = store.get(put(i)[:1], None, 0, "r")
             store.release(read.lease_id)
-    gc.collect()
-    made = [o for o in gc.get_objects() if type(o) is Entry]
-    live = store.entries.values()
-    queued = [item for order in store.evictable.values() for items in order._items for item in items]
-    kept = {id(e.next) for e in live} | set(map(id, queued))
-    dead = [e for e in made if id(e) not in set(map(id, live))]
-    assert len(store.entries) == 20 and len(dead) > 0
-    assert all(e.dropped and e.next is None and id(e) in kept for e in dead)
-    assert len(queued) <= 4 * (2 * 20 + SHED_AFTER)  # two queues per tier, each shed past this
+    t = store.table
+    assert len(t) == 20 and all(t.ids[k] == i for i, k in enumerate(t.keys))
+    assert (t.pins.sum(), t.committed.sum(), t.stamp.astype(bool).sum()) == (0, 20, 20)
+    assert set(t.keys[:16]) == {*put(498), *put(499)}  # the device: the last two puts
+    assert sorted(t.keys[16:]) == put(497)[4:]  # DRAM: the last 4 of the 8 the last put demoted
+    assert len(store.evictable[DEVICE]) == 16 and len(store.evictable[DRAM]) == 4
+    queued = sum(len(ids) for order in store.evictable.values() for q in order._queues for ids, _ in q)
+    assert queued <= 2 * (2 * 20 + SHED_AFTER)

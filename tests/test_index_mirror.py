@@ -14,7 +14,6 @@ from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.redis_keys import RedisKeys
 from pdserve.serving.index_events import EventWriter, IndexEvent, worker_owner
 from pdserve.serving.registry import Registration
-from services.kvstore.entries import Entry
 from services.kvstore.redis_index import RedisIndex
 from services.router.index_mirror import IndexMirror, leading_runs
 from services.router.prefix_index import PrefixIndex
@@ -70,7 +69,7 @@ def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_loo
             await a.beat()
             store.dropped(chain[29])
             store.dropped(chain[0])
-            store.committed([Entry(chain[30], "device", 0)])
+            store.committed([chain[30]], ["device"])
             store.moved(chain[12], "device")
             await store.flush()
             assert await mirror.poll(0) == 2
@@ -199,9 +198,9 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
         r = aioredis.Redis.from_url(shared_redis_url)
         try:
             await index.flush()  # the first flush rebuilds (empty) and resets
-            index.committed([Entry(h, "device", i) for i, h in enumerate(held[:2500])])
-            index.committed([Entry(h, "dram", i) for i, h in enumerate(held[2500:])])
-            index.committed([Entry(b"tail:req-1", "device", 0, is_tail=True)])  # a per-request tail: never indexed
+            index.committed(held[:2500], ["device"] * 2500)
+            index.committed(held[2500:], ["dram"] * 2000)
+            index.committed([b"tail:req-1"], ["device"])  # a per-request tail: never indexed
             await index.flush()
             for h in held[:5]:
                 index.dropped(h)
@@ -225,7 +224,7 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
 
 
 def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_told(shared_redis_url, key_prefix):
-    """A commit hands the index its entries, read at the flush; a move or drop told after it
+    """A commit hands the index its keys and tiers, read at the flush; a move or drop told after it
     wins, and a block committed again after its drop is indexed again."""
     keys = RedisKeys(key_prefix)
     a, b, c, d = _chain(8, 4)
@@ -235,13 +234,11 @@ def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_to
         r = aioredis.Redis.from_url(shared_redis_url)
         try:
             await index.flush()
-            moved = Entry(a, "device", 0)
-            index.committed([moved, Entry(b, "device", 1), Entry(c, "device", 2)])
-            moved.tier = "dram"  # the store moves the block, then tells of it
-            index.moved(a, "dram")
+            index.committed([a, b, c], ["device"] * 3)
+            index.moved(a, "dram")  # the store moves the block, then tells of it
             index.dropped(b)
             index.dropped(c)
-            index.committed([Entry(c, "dram", 3)])
+            index.committed([c], ["dram"])
             index.moved(d, "device")
             await index.flush()
             assert await r.hgetall(keys.store_index()) == {

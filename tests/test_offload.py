@@ -6,10 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from pdserve.engine.block_pool import BlockPool
-from services.kvstore.entries import DRAM, SHED_AFTER, Entry, EvictionOrder
+from services.kvstore.memory import TierMemory
+from services.kvstore.order import SHED_AFTER, EvictionOrder
+from services.kvstore.table import BlockTable
 from tests.support.stack import Stack, run, store_stats
 from tests.test_disagg import expected, prompt, run_one
 
@@ -29,34 +32,39 @@ def test_pool_tells_of_each_evicted_block_before_reusing_its_page():
     assert pool.num_cached_blocks == 0
 
 
+def _rows(*ids: int) -> np.ndarray:
+    return np.array(ids, dtype=np.int64)
+
+
 def test_store_evicts_copies_first_oldest_first_then_least_recently_used():
-    order = EvictionOrder()
-    made = {key: Entry(key, DRAM, 0, committed=True, duplicate=copy)
-            for key, copy in ((b"l1", False), (b"c1", True), (b"l2", False), (b"c2", True), (b"l3", False))}
-    for entry in made.values():
-        order.add(entry)
-    order.touch(made[b"l1"])
-    order.touch(made[b"c1"])  # a copy keeps its place among the copies
-    order.discard(made[b"l3"])
-    order.discard(made[b"l3"])  # discarding twice counts once
-    order.add(made[b"l2"])  # in the order already: keeps its place
-    assert len(order) == 4
-    assert [order.pop_first().key for _ in range(4)] == [b"c1", b"c2", b"l2", b"l1"]
-    assert len(order) == 0 and all(e.order_stamp == 0 for e in made.values())
+    table = BlockTable(TierMemory("device", 0, 8), TierMemory("dram", 5, 8))
+    order = EvictionOrder(table)
+    l1, c1, l2, c2, l3 = range(5)  # rows: l* the store's own blocks, c* copies their writers keep
+    table.duplicate[[c1, c2]] = True
+    order.add(_rows(l1, c1, l2, c2, l3))
+    order.touch(_rows(l1))
+    order.touch(_rows(c1))  # a copy keeps its place among the copies
+    order.discard(_rows(l3))
+    order.discard(_rows(l3))  # discarding twice counts once
+    order.add(_rows(l2))  # in the order already: keeps its place
+    assert len(order) == 4 and order.ids() == [c1, c2, l2, l1]
+    assert order.peek(1) == ([c1], [l2])
+    assert order.pop(3).tolist() == [c1, c2, l2]
+    assert order.pop(1).tolist() == [l1]
+    assert len(order) == 0 and not table.stamp.any()
     with pytest.raises(KeyError):
-        order.pop_first()
+        order.pop(1)
 
 
 def test_the_eviction_order_sheds_its_dead_items_and_keeps_its_order():
-    order = EvictionOrder()
-    entries = [Entry(bytes([i]) * 16, DRAM, i, committed=True) for i in range(10)]
-    for entry in entries:
-        order.add(entry)
-    for _ in range(3000):  # readers pin and unpin: every touch leaves a dead item behind
-        for entry in entries[:5]:
-            order.touch(entry)
-    assert len(order) == 10 and len(order._items[1]) <= 2 * 10 + SHED_AFTER
-    assert [order.pop_first().key[0] for _ in range(10)] == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    table = BlockTable(TierMemory("device", 0, 8), TierMemory("dram", 10, 8))
+    order = EvictionOrder(table)
+    order.add(np.arange(10))
+    for _ in range(3000):  # readers pin and unpin: every touch leaves dead items behind
+        order.touch(np.arange(5))
+    queued = sum(len(ids) for q in order._queues for ids, _ in q)
+    assert len(order) == 10 and queued <= 2 * 10 + SHED_AFTER
+    assert order.pop(10).tolist() == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
 
 
 def duplicates(stack: Stack) -> int:

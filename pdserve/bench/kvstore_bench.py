@@ -92,7 +92,7 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
             raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
             polled_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
             polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
-    grpc_put, grpc_get = [], []
+    grpc_put, grpc_get = [], []  # (as many puts as _bench_row made room for)
     data = local[:total].numpy().tobytes() if total <= GRPC_MAX_BYTES else b""
     for _ in range(max(1, repeats // 2) if data else 0):
         hashes = _hashes(n)
@@ -116,29 +116,33 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
 
 async def _bench_layout(name: str, profile: HashProfile, tokens: list[int], args, transfer: Transfer) -> list[dict]:
     lay = profile.layout
-    max_blocks = max(tokens) // lay.block_size
-    # Room for every block the run writes (within 6 GiB), so eviction's demotion copies do not
-    # land inside the calls being timed; when it does not fit, eviction runs and is part of it.
-    written = sum(t // lay.block_size * (2 + _repeats(args, t // lay.block_size * lay.block_nbytes)) for t in tokens)
-    device_blocks = min(written, max(2 * max_blocks, (6 << 30) // lay.block_nbytes))
+    local = torch.randint(0, 256, (max(tokens) // lay.block_size * lay.block_nbytes,), dtype=torch.uint8)
+    transfer.register(local)
+    try:
+        return [await _bench_row(name, profile, t, args, transfer, local) for t in tokens]
+    finally:
+        transfer.unregister(local)
+
+
+async def _bench_row(name: str, profile: HashProfile, tokens: int, args, transfer: Transfer,
+                     local: torch.Tensor) -> dict:
+    """One size, in a store of its own with room for every block the row writes (within 6 GiB):
+    the control calls timed are a store's with room, as the other rows leave it none; eviction,
+    whose demotions copy blocks inside the call, is the full-store rows' figure."""
+    lay = profile.layout
+    n = tokens // lay.block_size
+    repeats = _repeats(args, n * lay.block_nbytes)
+    grpc_puts = max(1, repeats // 2) if n * lay.block_nbytes <= GRPC_MAX_BYTES else 0
+    device_blocks = min(n * (repeats + grpc_puts), max(n, (6 << 30) // lay.block_nbytes))
     store = _start_store(name, profile, device_blocks, 16, args)
     try:
         client = StoreClient(store.address, profile, transfer, timeout_s=120)
         await client.connect()
-        local = torch.randint(0, 256, (max_blocks * lay.block_nbytes,), dtype=torch.uint8)
-        transfer.register(local)
         try:
-            rows = []
-            for t in tokens:
-                n = t // lay.block_size
-                repeats = _repeats(args, n * lay.block_nbytes)
-                row = {"layout": name, "tokens": t, "block_nbytes": lay.block_nbytes,
-                       **await _measure(client, transfer, local, n, repeats)}
-                rows.append(row)
+            return {"layout": name, "tokens": tokens, "block_nbytes": lay.block_nbytes,
+                    **await _measure(client, transfer, local, n, repeats)}
         finally:
-            transfer.unregister(local)
-        await client.close()
-        return rows
+            await client.close()
     finally:
         store.stop()
 

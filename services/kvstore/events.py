@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.kvstore.entries import Entry
-
 
 class IndexSink(Protocol):
     """Receives every change of where blocks live. Must not block: called on the event loop."""
 
-    def committed(self, entries: Sequence[Entry]) -> None:
-        """Prefix blocks newly committed, each in its entry's tier. The sink may read the keys
-        and tiers later (off the caller's path): any later move or drop is told after this."""
+    def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
+        """Prefix blocks newly committed, key i in tier i. The sink keeps both sequences (the
+        caller never changes them) and may read them later, off the caller's path: any later
+        move or drop is told after this."""
 
     def moved(self, key: bytes, tier: str) -> None: ...
 
@@ -23,7 +22,7 @@ class IndexSink(Protocol):
 
 
 class NullIndexSink:
-    def committed(self, entries: Sequence[Entry]) -> None:
+    def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
         pass
 
     def moved(self, key: bytes, tier: str) -> None:

@@ -7,8 +7,6 @@ one transfer-engine slice (DESIGN.md: ~45 µs per slice here; coalescing is what
 from __future__ import annotations
 
 import bisect
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -52,22 +50,35 @@ class RunAllocator:
         self.num_free -= n
 
     def free(self, slot: int) -> None:
-        i = bisect.bisect_left(self._starts, slot)
-        if i < len(self._starts) and self._starts[i] == slot:
-            raise RuntimeError(f"allocator: double free of slot {slot}")
-        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] > slot:
-            raise RuntimeError(f"allocator: double free of slot {slot}")
-        start, length = slot, 1
-        if i < len(self._starts) and self._starts[i] == slot + 1:  # merge with the run after
+        self.free_run(slot, 1)
+
+    def free_many(self, slots: list[int]) -> None:
+        """Free every slot of `slots` (any order), a run of adjacent ones at a time."""
+        slots = sorted(slots)
+        i = 0
+        while i < len(slots):
+            n = 1
+            while i + n < len(slots) and slots[i + n] == slots[i] + n:
+                n += 1
+            self.free_run(slots[i], n)
+            i += n
+
+    def free_run(self, start: int, n: int) -> None:
+        """Free slots [start, start + n), merged with the free runs beside them."""
+        i = bisect.bisect_left(self._starts, start)
+        if (i < len(self._starts) and self._starts[i] < start + n) or (
+                i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] > start):
+            raise RuntimeError(f"allocator: double free in slots [{start}, {start + n})")
+        length = n
+        if i < len(self._starts) and self._starts[i] == start + n:  # merge with the run after
             length += self._lengths.pop(self._starts[i])
             del self._starts[i]
-        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == slot:  # and before
-            prev = self._starts[i - 1]
-            self._lengths[prev] += length
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:  # and before
+            self._lengths[self._starts[i - 1]] += length
         else:
             self._starts.insert(i, start)
             self._lengths[start] = length
-        self.num_free += 1
+        self.num_free += n
 
     def runs(self) -> list[tuple[int, int]]:
         return [(s, self._lengths[s]) for s in self._starts]
@@ -109,38 +120,6 @@ def copy_slot(src: TierMemory, src_slot: int, dst: TierMemory, dst_slot: int) ->
 
 # (tier, slot) the bytes go to -> (tier, slot) they come from.
 SlotMoves = dict[tuple[str, int], tuple[str, int]]
-
-
-class DeferredCopies:
-    """The byte copies of tier moves: at once, or, inside `batch()`, recorded and run together at
-    its end, adjacent slots as one copy; a destination freed inside the batch is never copied to
-    (a small DRAM tier turns over many times while a large put makes room). Nothing may read or
-    hand out a destination before the batch ends: the store batches eviction (device -> DRAM)."""
-
-    def __init__(self, tiers: dict[str, TierMemory]):
-        self.tiers = tiers
-        self._moves: SlotMoves | None = None
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        self._moves = {}
-        try:
-            yield
-        finally:  # the bookkeeping already says the blocks moved: the bytes must follow, always
-            moves, self._moves = self._moves, None
-            copy_slots(self.tiers, moves)
-
-    def copy(self, src_tier: str, src_slot: int, dst_tier: str, dst_slot: int) -> None:
-        if self._moves is None:
-            copy_slot(self.tiers[src_tier], src_slot, self.tiers[dst_tier], dst_slot)
-        else:
-            src = (src_tier, src_slot)
-            self._moves[(dst_tier, dst_slot)] = self._moves.pop(src, src)
-
-    def forget(self, tier: str, slot: int) -> None:
-        """The block in this slot is dropped: a copy into it still pending is not needed."""
-        if self._moves:
-            self._moves.pop((tier, slot), None)
 
 
 def copy_slots(tiers: dict[str, TierMemory], moves: SlotMoves) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -16,7 +17,6 @@ from pdserve.kv.hashing import HASH_BYTES
 from pdserve.redis_keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 from pdserve.serving.index_events import STORE_OWNER, EventWriter
 from pdserve.tasks import cancel_and_wait
-from services.kvstore.entries import Entry
 
 log = logs.get("kvstore.index")
 
@@ -51,6 +51,12 @@ return 0
 """
 
 
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    keys: Sequence[bytes]
+    tiers: Sequence[str]
+
+
 class RedisIndex:
     """Owns the pending index changes and the Redis connection state of one store."""
 
@@ -63,9 +69,9 @@ class RedisIndex:
         self.connected = False
         self._rebuild = True  # first flush writes the whole index
         # Changes not yet in Redis, in order: (key, tier or None for dropped) or a commit's
-        # entries, whose keys and tiers are read at the flush (off the commit's path; later
-        # changes to them come later in the log).
-        self._log: list[tuple[bytes, str | None] | Sequence[Entry]] = []
+        # keys and tiers, paired up at the flush (off the commit's path; later changes to them
+        # come later in the log).
+        self._log: list[tuple[bytes, str | None] | _Committed] = []
         self._hits = 0
         self._misses = 0
         self._task: asyncio.Task | None = None
@@ -74,8 +80,8 @@ class RedisIndex:
         self._apply = self.redis.register_script(APPLY_CHANGES)
 
     # IndexSink: called on the event loop, never blocks.
-    def committed(self, entries: Sequence[Entry]) -> None:
-        self._log.append(entries)
+    def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
+        self._log.append(_Committed(keys, tiers))
 
     def moved(self, key: bytes, tier: str) -> None:
         self._log.append((key, tier))
@@ -87,10 +93,10 @@ class RedisIndex:
         """The latest state of each key changed since the last flush."""
         pending: dict[bytes, str | None] = {}
         for change in self._log:
-            if isinstance(change, tuple):
-                pending[change[0]] = change[1]
+            if isinstance(change, _Committed):
+                pending.update(zip(change.keys, change.tiers, strict=True))
             else:
-                pending.update((e.key, e.tier) for e in change)
+                pending[change[0]] = change[1]
         self._log = []
         return pending
 

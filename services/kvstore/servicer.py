@@ -33,8 +33,15 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
 
 
 def _slots_pb(slots: Slots) -> pb.SlotList:
-    return pb.SlotList(addresses=slots.addresses, tiers=bytes(map(_TIER.__getitem__, slots.tiers)),
-                       states=bytes(map(_STATE.__getitem__, slots.states)))
+    return pb.SlotList(addresses=slots.addresses, tiers=_column(slots.tiers, _TIER),
+                       states=_column(slots.states, _STATE))
+
+
+def _column(values: list, codes: dict) -> bytes:
+    """One byte per value; a column of one value (most are) without a look-up per row."""
+    if values and values.count(values[0]) == len(values):
+        return bytes([codes[values[0]]]) * len(values)
+    return bytes(map(codes.__getitem__, values))
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -188,8 +195,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             take = min(nbytes - within, len(data) - pos)
             ref = refs[block]
             if ref.state == SlotState.WRITE:
-                entry = self.store.entries[ref.key]
-                view = self.store.tiers[entry.tier].view(entry.slot)
+                tier, slot = self.store.locate(ref.key)
+                view = self.store.tiers[tier].view(slot)
                 view[within : within + take].copy_(_as_tensor(data[pos : pos + take]))
             pos += take
 
@@ -203,8 +210,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         try:
             buf = bytearray()
             for key in keys:
-                entry = self.store.entries[key]
-                buf += self.store.tiers[entry.tier].view(entry.slot).cpu().numpy().tobytes()
+                tier, slot = self.store.locate(key)
+                buf += self.store.tiers[tier].view(slot).cpu().numpy().tobytes()
                 while len(buf) >= CHUNK_BYTES:
                     yield pb.GetBytesResponse(data=bytes(buf[:CHUNK_BYTES]))
                     del buf[:CHUNK_BYTES]

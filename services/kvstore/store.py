@@ -3,23 +3,25 @@
 Single-threaded by design: only the server's event loop calls it, so it needs no locks. Where
 blocks live, their eviction and their moves between tiers are `tiers.TieredBlocks`'s.
 Invariants:
-- an entry is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
-  and (for a per-request tail) until its TTL lapses; pinned entries are never evicted;
+- a block is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
+  and (for a per-request tail) until its TTL lapses; pinned blocks are never evicted, nor moved,
+  so a lease holds its blocks' ids (rows of the block table, see table.py);
 - a DRAM hit is served from DRAM and promoted to the device tier when its last reader releases.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
-from itertools import repeat
+
+import numpy as np
 
 from pdserve.errors import InvalidArgument, NotFound
-from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, Lease, SlotRef, Slots, SlotState, Watcher
+from services.kvstore.entries import DEVICE, DRAM, Counters, Lease, SlotRef, Slots, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
 from services.kvstore.memory import TierMemory
+from services.kvstore.table import NO_BLOCK, BlockView
 from services.kvstore.tiers import TieredBlocks
 from services.kvstore.watches import Watches
 
@@ -35,12 +37,21 @@ class BlockStore:
         self.counters = Counters()
         self.blocks = TieredBlocks(device, dram, index or NullIndexSink(), self.counters)
         # The blocks' own state, named here too (the same objects; `blocks` owns them).
-        self.entries, self.evictable, self.tiers = self.blocks.entries, self.blocks.evictable, self.blocks.tiers
+        self.table, self.evictable, self.tiers = self.blocks.table, self.blocks.evictable, self.blocks.tiers
         self.block_nbytes = device.block_nbytes
         self.clock = clock
         self.leases = Leases(default_lease_s, clock)
-        self.held_tails: set[bytes] = set()  # committed tails pinned by their TTL: all `reap` looks at
+        self.held_tails: dict[bytes, float] = {}  # committed tails pinned by their TTL -> when it ends
         self.watchers = Watches()
+
+    def block(self, key: bytes) -> BlockView:
+        """One block's state (KeyError: not here)."""
+        return self.table.view(key)
+
+    def locate(self, key: bytes) -> tuple[str, int]:
+        """(tier, slot) of a block here; only while it is pinned does that stay true."""
+        i = self.table.ids[key]
+        return self.table.tier_of(i), self.table.slot_of(i)
 
     @property
     def index(self) -> IndexSink:
@@ -64,68 +75,60 @@ class BlockStore:
         hold_ms > 0 (a handoff): the blocks present or written here stay pinned under a hold
         lease (`lease.hold_id`) until it is released or lapses, hold_ms after the last commit;
         releasing the write lease uncommitted (the writer failed) releases the hold too."""
-        entries = self.entries
-        if tail_key is not None and tail_key in entries:
+        t = self.table
+        if tail_key is not None and tail_key in t.ids:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
         named = set(hashes)
         if len(named) != len(hashes):
             raise InvalidArgument("block hashes repeat within one put")
         keys = [*hashes, tail_key] if tail_key is not None else hashes
         # Which are here already, found from the put's side (a dict's keys & a small set).
-        here = entries.keys() & named
-        present = [entries[h] for h in hashes if h in here] if here else []
+        here = t.ids.keys() & named
+        present = np.array([t.ids[h] for h in hashes if h in here], np.int64) if here else None
         new_keys = [k for k in keys if k not in here] if here else keys
         # Making room must not evict the blocks of this very put that are already here.
-        for entry in present:
-            self.blocks.pin(entry)
+        if present is not None:
+            self.blocks.pin(present)
         try:
-            placed = self.blocks.allocate(len(new_keys))
+            rows = self.blocks.allocate(len(new_keys))
         finally:
-            for entry in present:
-                self.blocks.unpin(entry)
+            if present is not None:
+                self.blocks.unpin(present)
         lease = self.leases.new("write", lease_ms, request_id)
         if tail_key is not None:
             named.add(tail_key)
         lease.all_keys = named
-        # New: in no eviction order yet, so pinned (the writer's pin) without _pin's look-up;
-        # built a tier's run at a time, with their slots' columns.
-        addresses: list[int] = []
-        tiers: list[str] = []
-        done = 0
-        for tier, slots in placed:
-            run = new_keys[done : done + len(slots)]
-            done += len(slots)
-            made = list(map(Entry, run, repeat(tier), slots, repeat(1), repeat(writer_keeps_copy)))
-            entries.update(zip(run, made, strict=True))
-            lease.pinned += made
-            base, nbytes = self.blocks.base[tier], self.block_nbytes
-            addresses += [base + slot * nbytes for slot in slots]
-            tiers += repeat(tier, len(slots))
-        new_entries = lease.pinned  # every entry this put made, in its order
-        deque(map(setattr, new_entries, repeat("next"), new_entries[1:]), maxlen=0)  # each one's next (a loop in C)
+        t.add(new_keys, rows, pins=1, duplicate=writer_keeps_copy)  # the writer's pin
+        lease.pinned = rows.tolist()
+        t.link(lease.pinned)
         if tail_key is not None:
-            entries[tail_key].is_tail = True
-        new = set(new_keys) if present else None  # None: every block is new
-        if new is None:  # the common put: its columns are built above
-            out = Slots(new_keys, addresses, tiers, [SlotState.WRITE] * len(new_keys))
+            t.is_tail[t.ids[tail_key]] = True
+        if present is None:  # the common put: every block is new
+            out = Slots(new_keys, t.address[rows].tolist(), t.tiers_of(rows), [SlotState.WRITE] * len(rows))
         else:
-            out = Slots.of([self._put_ref(entries[key], key in new, writer_keeps_copy) for key in keys])
+            out = self._put_slots(keys, set(new_keys), present, writer_keeps_copy)
         if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
             hold = self.leases.new("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            hold.held = [entries[h] for h in hashes if new is None or h in new or entries[h].committed]
-            for entry in hold.held:
-                self.blocks.pin(entry)
+            hold.held_keys = [h for h, state in zip(hashes, out.states, strict=False) if state != SlotState.PENDING]
+            hold.held = [t.ids[h] for h in hold.held_keys]
+            self.blocks.pin(np.array(hold.held, np.int64))
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self.leases.close(lease)
         return lease, out
 
-    def _put_ref(self, entry: Entry, new: bool, writer_keeps_copy: bool) -> SlotRef:
-        if not new and entry.committed and not writer_keeps_copy:
-            self.blocks.keep(entry)
-        return self.blocks.slot_ref(entry, SlotState.WRITE if new else SlotState.PRESENT if entry.committed
-                             else SlotState.PENDING)
+    def _put_slots(self, keys: list[bytes], new: set[bytes], present: np.ndarray, writer_keeps_copy: bool) -> Slots:
+        t = self.table
+        if not writer_keeps_copy:
+            kept = present[t.committed[present]]
+            if len(kept):
+                self.blocks.keep(kept)
+        rows = np.array([t.ids[k] for k in keys], np.int64)
+        committed = t.committed[rows].tolist()
+        states = [SlotState.WRITE if k in new else SlotState.PRESENT if c else SlotState.PENDING
+                  for k, c in zip(keys, committed, strict=True)]
+        return Slots(list(keys), t.address[rows].tolist(), t.tiers_of(rows), states)
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -137,43 +140,33 @@ class BlockStore:
             raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
         if lease.kind != "write":
             raise InvalidArgument(f"lease {lease_id!r} is a read lease")
+        t = self.table
         if keys is None:
-            wanted = lease.pinned  # the entries it wrote that are still uncommitted
+            wanted = lease.pinned  # the blocks it wrote that are still uncommitted
         else:
             keys = list(keys)
             for key in keys:
                 if key not in lease.all_keys:
                     raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
             # Keys it named but did not write (present, or another writer's) are not its to commit.
-            mine = {e.key: e for e in lease.pinned}
-            wanted = [mine[k] for k in keys if k in mine]
-        evictable, notify = self.evictable, bool(self.watchers)
-        done: list[Entry] = []
-        tail: Entry | None = None
-        for entry in wanted:
-            if entry.committed:
-                continue  # a key named twice in this call
-            entry.committed = True
-            if entry.is_tail:
-                tail = entry
-                entry.tail_held = True  # the writer's pin becomes the TTL pin
-                entry.tail_expires = self.clock() + self.leases.seconds(tail_ttl_ms)
-                self.held_tails.add(entry.key)
-            else:
-                # _unpin of the writer's pin, inline: never read while uncommitted, the entry
-                # has no promotion pending and is no tail.
-                entry.pins -= 1
-                if entry.pins == 0:
-                    evictable[entry.tier].add(entry)
-                done.append(entry)
-            if notify:
-                self._notify(entry)
-        count = len(done) + (tail is not None)
-        if done:
-            self.index.committed(done)
+            mine = set(lease.pinned)
+            wanted = list(dict.fromkeys(i for k in keys if (i := t.ids.get(k, NO_BLOCK)) in mine))
+        rows = np.array(wanted, np.int64)
+        tails = t.is_tail[rows]
+        if tails.any():  # a put's one tail: the writer's pin becomes the TTL pin
+            [tail] = rows[tails].tolist()
+            rows = rows[~tails]
+            t.committed[tail] = True
+            self.held_tails[t.keys[tail]] = self.clock() + self.leases.seconds(tail_ttl_ms)
+        if len(rows):
+            self.blocks.commit(rows)
+            self.index.committed(list(map(t.keys.__getitem__, rows.tolist())), t.tiers_of(rows))
+        if self.watchers:
+            self._notify(wanted)
+        count = len(wanted)
         self.counters.bytes_written += count * self.block_nbytes
         if count:
-            lease.pinned = [e for e in lease.pinned if not e.committed] if keys is not None else []
+            lease.pinned = [i for i in lease.pinned if not t.committed_bytes[i]] if keys is not None else []
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
@@ -185,53 +178,50 @@ class BlockStore:
     # -- get -------------------------------------------------------------------------------
     def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
             request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
-        entries = self.entries
-        found: list[Entry] = []
-        entry = None
+        t = self.table
+        look_up, keys, after, committed = t.ids.get, t.keys, t.next, t.committed_bytes
+        found: list[int] = []
+        i = NO_BLOCK
         for h in hashes:
-            # The block after one is most often the next of the same put (see Entry.next):
-            # followed there rather than looked up (objects made together lie together in memory).
-            after = entry.next if entry is not None else None
-            entry = after if after is not None and after.key == h and not after.dropped else entries.get(h)
-            if entry is None or not entry.committed:
+            # The block after one is most often the next of the same put (see BlockTable.next):
+            # followed there rather than looked up (its row is beside the last one in memory).
+            nxt = after[i] if i != NO_BLOCK else NO_BLOCK
+            i = nxt if nxt != NO_BLOCK and keys[nxt] == h else look_up(h, NO_BLOCK)
+            if i == NO_BLOCK or not committed[i]:
                 break
-            found.append(entry)
-        tail = entries.get(tail_key) if tail_key is not None else None
-        if tail is not None and not tail.committed:
-            tail = None
+            found.append(i)
+        if len(set(found)) != len(found):
+            raise InvalidArgument("block hashes repeat within one get")
+        tail = t.ids.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
+        if tail != NO_BLOCK and not committed[tail]:
+            tail = NO_BLOCK
         counters, n = self.counters, len(found)
         counters.hits += n
         counters.misses += len(hashes) - n
         self.index.looked_up(n, len(hashes) - n)
-        if not found and tail is None:
+        if not found and tail == NO_BLOCK:
             return None, Slots([], [], [], []), None
         lease = self.leases.new("read", lease_ms, request_id)
-        # _pin_for_read of each block, a loop at a time (a prefix block is never a tail).
-        tiers = [e.tier for e in found]
-        self.blocks.pin_all(found, tiers)
-        n_dram = tiers.count(DRAM)
+        rows = np.array(found, np.int64)
+        n_dram = self._pin_for_read(lease, rows, found)
         counters.tier_hits[DEVICE] += n - n_dram
         counters.tier_hits[DRAM] += n_dram
-        if n_dram:  # promoted when its last reader lets go
-            for e in found:
-                if e.tier == DRAM:
-                    e.promote_on_release = True
-        base, nbytes = self.blocks.base, self.block_nbytes
-        addresses = [base[tier] + e.slot * nbytes for e, tier in zip(found, tiers, strict=True)]
-        keys = hashes[:n]
-        lease.pinned = found
-        counters.bytes_read += n * nbytes
-        if tail is not None:
-            self._pin_for_read(lease, tail)
-        tail_ref = self.blocks.slot_ref(tail) if tail else None
-        return lease, Slots(keys, addresses, tiers, [SlotState.PRESENT] * n), tail_ref
+        slots = Slots(hashes[:n], t.address[rows].tolist(), t.tiers_of(rows), [SlotState.PRESENT] * n)
+        if tail == NO_BLOCK:
+            return lease, slots, None
+        self._pin_for_read(lease, np.array([tail], np.int64), [tail])
+        return lease, slots, self.blocks.slot_ref(tail)
 
-    def _pin_for_read(self, lease: Lease, entry: Entry) -> None:
-        self.blocks.pin(entry)  # out of the LRU while pinned; back in at its recent end when unpinned
-        lease.pinned.append(entry)
-        self.counters.bytes_read += self.block_nbytes
-        if entry.tier == DRAM and not entry.is_tail:
-            entry.promote_on_release = True
+    def _pin_for_read(self, lease: Lease, rows: np.ndarray, row_list: list[int]) -> int:
+        """Pin blocks for a reader (out of the LRU while pinned; back at its recent end when
+        unpinned); a DRAM hit is promoted once its last reader lets go. Returns the DRAM hits."""
+        t = self.table
+        self.blocks.pin(rows)
+        lease.pinned += row_list
+        self.counters.bytes_read += len(row_list) * self.block_nbytes
+        dram = rows[(rows >= t.split) & ~t.is_tail[rows]]
+        t.promote[dram] = True
+        return len(dram)
 
     # -- watch -----------------------------------------------------------------------------
     def watch(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
@@ -243,26 +233,37 @@ class BlockStore:
         lease = self.leases.new("read", lease_ms, request_id)
         lease.watching = True
         watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
+        t = self.table
+        ready: list[int] = []
         hits = 0
         for key in keys:
-            entry = self.entries.get(key)
-            if entry is not None and entry.committed:
+            i = t.ids.get(key, NO_BLOCK)
+            if i != NO_BLOCK and t.committed_bytes[i]:
+                ready.append(i)
                 hits += key != tail_key
-                self._deliver(watcher, entry)
             else:
                 self.watchers.wait(key, watcher)
+        if ready:
+            self._deliver(watcher, ready)
         self.counters.hits += hits
         self.index.looked_up(hits, 0)
         return watcher
 
-    def _deliver(self, watcher: Watcher, entry: Entry) -> None:
-        self._pin_for_read(watcher.lease, entry)
-        watcher.queue.put_nowait((watcher.wanted.pop(entry.key), self.blocks.slot_ref(entry)))
+    def _deliver(self, watcher: Watcher, rows: list[int]) -> None:
+        self._pin_for_read(watcher.lease, np.array(rows, np.int64), rows)
+        for i in rows:
+            watcher.queue.put_nowait((watcher.wanted.pop(self.table.keys[i]), self.blocks.slot_ref(i)))
 
-    def _notify(self, entry: Entry) -> None:
-        for watcher in self.watchers.take(entry.key):
-            if watcher.lease.lease_id in self.leases:
-                self._deliver(watcher, entry)
+    def _notify(self, rows: list[int]) -> None:
+        """Newly committed blocks: to each watcher waiting on them, in one delivery."""
+        keys = self.table.keys
+        ready: dict[int, tuple[Watcher, list[int]]] = {}
+        for i in rows:
+            for watcher in self.watchers.take(keys[i]):
+                if watcher.lease.lease_id in self.leases:
+                    ready.setdefault(id(watcher), (watcher, []))[1].append(i)
+        for watcher, mine in ready.values():
+            self._deliver(watcher, mine)
 
     def end_watch(self, watcher: Watcher, release: bool) -> None:
         """The Watch stream ended: stop waiting; release its pins too when the client is gone."""
@@ -282,38 +283,32 @@ class BlockStore:
                 return 0, 0
             raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
         self.leases.close(lease)
-        unpinned = reclaimed = 0
-        if lease.kind == "hold":
-            for entry in lease.held:
-                if not entry.dropped:  # (its writer failed since, and it was reclaimed)
-                    self.blocks.unpin(entry)
-                    unpinned += 1
-            return unpinned, 0
+        t = self.table
+        if lease.kind == "hold":  # (a block its writer failed to write went since: skipped)
+            live = [i for i, k in zip(lease.held, lease.held_keys, strict=True) if t.keys[i] == k]
+            self.blocks.unpin(np.array(live, np.int64))
+            return len(live), 0
         if lease.kind == "write" and lease.hold_id in self.leases:
             self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
-        for entry in lease.pinned:  # each still here: pinned, so neither evicted nor dropped
-            if lease.kind == "write":
-                entry.pins -= 1
-                self.blocks.drop(entry)
-                reclaimed += 1
-            else:
-                if entry.is_tail and entry.tail_held:
-                    entry.tail_held = False  # a per-request tail is read once: consumed, it goes
-                    self.held_tails.discard(entry.key)
-                    entry.pins -= 1
-                self.blocks.unpin(entry)
-                unpinned += 1
-        return unpinned, reclaimed
+        rows = np.array(lease.pinned, np.int64)  # each still here: pinned, so neither evicted nor dropped
+        if lease.kind == "write":
+            self.blocks.drop(rows)
+            return 0, len(rows)
+        for i in rows[t.is_tail[rows]].tolist():
+            if self.held_tails.pop(t.keys[i], None) is not None:
+                t.pins[i] -= 1  # a per-request tail is read once: consumed, it goes
+        self.blocks.unpin(rows)
+        return len(rows), 0
 
     def reap(self) -> int:
-        """Lapse leases past their deadline and tails past their TTL; returns how many."""
+        """Lapse leases past their deadline and tails past their TTL; returns how many leases."""
         now = self.clock()
         lapsed = self.leases.lapsed(now)
         for lease_id in lapsed:
             self.release(lease_id)
-        tails = [e for k in self.held_tails if (e := self.entries[k]).tail_expires < now]
-        for entry in tails:
-            entry.tail_held = False
-            self.held_tails.discard(entry.key)
-            self.blocks.unpin(entry)
+        tails = [k for k, expires in self.held_tails.items() if expires < now]
+        for key in tails:
+            del self.held_tails[key]
+        if tails:
+            self.blocks.unpin(np.array([self.table.ids[k] for k in tails], np.int64))
         return len(lapsed)

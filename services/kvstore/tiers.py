@@ -1,139 +1,136 @@
-"""The store's blocks in their tiers: which key holds which slot, each tier's eviction order, and
-the moves between tiers.
+"""The store's blocks in their tiers: which block holds which slot (the block table), each tier's
+eviction order, and the moves between tiers.
 
 Invariants (the store keeps the pins; this keeps the orders and the slots true to them):
-- a tier's `evictable` order holds exactly its committed, unpinned, non-tail entries: first the
+- a tier's `evictable` order holds exactly its committed, unpinned, non-tail blocks: first the
   copies their writers keep (oldest first), then the rest (least recently used first);
-- eviction from the device tier demotes to DRAM (dropping DRAM's LRU to make room, or dropping
-  the block itself when DRAM is all pinned); eviction from DRAM drops;
+- eviction from the device tier demotes to DRAM (dropping DRAM's first to evict to make room,
+  or dropping the block itself when DRAM is all pinned); eviction from DRAM drops;
 - a DRAM hit is promoted to the device tier when its last reader lets go (`unpin`).
+
+Block ids are rows of the table (see table.py); calls pass them as int64 arrays that do not
+repeat.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
+
 from pdserve.errors import ResourceExhausted
-from services.kvstore.entries import DEVICE, DRAM, Counters, Entry, EvictionOrder, SlotRef, SlotState
+from services.kvstore.entries import DEVICE, DRAM, Counters, SlotRef, SlotState
 from services.kvstore.events import IndexSink
-from services.kvstore.memory import DeferredCopies, TierMemory, copy_slot
+from services.kvstore.memory import TierMemory, copy_slot, copy_slots
+from services.kvstore.order import EvictionOrder
+from services.kvstore.table import BlockTable
 
 
 class TieredBlocks:
-    """Owns every entry, each tier's eviction order, slot allocation and the copies between
+    """Owns the block table, each tier's eviction order, slot allocation and the copies between
     tiers. Tells `index` where blocks go; counts evictions and promotions in `counters`."""
 
     def __init__(self, device: TierMemory, dram: TierMemory, index: IndexSink, counters: Counters):
         self.tiers = {DEVICE: device, DRAM: dram}
-        self.base = {DEVICE: device.base_address, DRAM: dram.base_address}
         self.block_nbytes = device.block_nbytes
         self.index = index
         self.counters = counters
-        self.entries: dict[bytes, Entry] = {}
-        self.evictable: dict[str, EvictionOrder] = {DEVICE: EvictionOrder(), DRAM: EvictionOrder()}
-        self.copies = DeferredCopies(self.tiers)  # an allocation's demotions copy in one batch
+        self.table = BlockTable(device, dram)
+        self.evictable = {DEVICE: EvictionOrder(self.table), DRAM: EvictionOrder(self.table)}
 
-    def slot_ref(self, entry: Entry, state: SlotState = SlotState.PRESENT) -> SlotRef:
-        return SlotRef(entry.key, self.base[entry.tier] + entry.slot * self.block_nbytes, entry.tier, state)
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.table.ids
 
-    def pin(self, entry: Entry) -> None:
-        if entry.pins == 0:
-            self.evictable[entry.tier].discard(entry)
-        entry.pins += 1
-
-    def pin_all(self, entries: list[Entry], tiers: list[str]) -> None:
-        """pin() of each of `entries` (`tiers`: theirs), a loop at a time rather than a call each."""
-        if DRAM not in tiers:
-            self.evictable[DEVICE].discard_all(entries)
-        else:
-            for tier, order in self.evictable.items():
-                order.discard_all([e for e, t in zip(entries, tiers, strict=True) if t == tier])
-        for entry in entries:
-            entry.pins += 1
-
-    def unpin(self, entry: Entry) -> None:
-        entry.pins -= 1
-        assert entry.pins >= 0, entry
-        if entry.pins == 0 and entry.is_tail:
-            self.drop(entry)  # a tail's TTL pin is gone and so is its last reader
-        elif entry.pins == 0 and entry.committed:
-            self.evictable[entry.tier].add(entry)
-            if entry.promote_on_release:
-                entry.promote_on_release = False
-                self.promote(entry)
-
-    def keep(self, entry: Entry) -> None:
-        """Most recently used, and no longer a copy its writer keeps (the writer let it go)."""
-        order = self.evictable[entry.tier]
-        if entry.duplicate:
-            entry.duplicate = False
-            if entry.pins == 0 and entry.committed:
-                order.discard(entry)
-                order.add(entry)
-        order.touch(entry)
+    def slot_ref(self, block_id: int, state: SlotState = SlotState.PRESENT) -> SlotRef:
+        t = self.table
+        return SlotRef(t.keys[block_id], int(t.address[block_id]), t.tier_of(block_id), state)
 
     def room(self, tier: str) -> int:
         return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
 
-    # -- eviction --------------------------------------------------------------------------
-    def drop(self, entry: Entry) -> None:
-        self.copies.forget(entry.tier, entry.slot)
-        self.evictable[entry.tier].discard(entry)
-        self.tiers[entry.tier].allocator.free(entry.slot)
-        del self.entries[entry.key]
-        entry.dropped, entry.next = True, None  # what it led to is not kept alive by it
-        if not entry.is_tail and entry.committed:
-            self.index.dropped(entry.key)
+    def _by_tier(self, block_ids: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        split = self.table.split
+        if not len(block_ids) or block_ids.max() < split:
+            return [(DEVICE, block_ids)]
+        in_dram = block_ids >= split
+        return [(DEVICE, block_ids[~in_dram]), (DRAM, block_ids[in_dram])]
 
-    def _free_one(self, tier: str) -> None:
-        """Make one slot free in `tier` by evicting its first unpinned block (see EvictionOrder)."""
-        entry = self.evictable[tier].pop_first()
-        self.counters.evictions[tier] += 1
-        if tier == DEVICE and self.room(DRAM) > 0:
-            self._move(entry, DRAM)  # demote
-        else:
-            self.drop(entry)
+    # -- pins and use ------------------------------------------------------------------------
+    def pin(self, block_ids: np.ndarray) -> None:
+        """One more pin each: a pinned block is in no eviction order, so it neither moves nor goes."""
+        for tier, part in self._by_tier(block_ids):
+            self.evictable[tier].discard(part)
+        self.table.pins[block_ids] += 1
 
-    def _take_slots(self, tier: str, n: int) -> list[int]:
-        mem = self.tiers[tier]
-        while mem.allocator.num_free < n:
-            self._free_one(tier)
-        return mem.allocator.allocate(n)
+    def unpin(self, block_ids: np.ndarray) -> None:
+        """One pin less each; a block no longer pinned is evictable again (at the recent end), a
+        tail goes, and a DRAM hit is promoted."""
+        t = self.table
+        t.pins[block_ids] -= 1
+        pins = t.pins[block_ids]
+        if len(pins) and pins.min() < 0:
+            raise AssertionError(f"unpinned below zero: {[t.keys[i] for i in block_ids[pins < 0].tolist()]}")
+        free = block_ids[pins == 0]
+        tails = t.is_tail[free]
+        if tails.any():
+            self.drop(free[tails])  # a tail's TTL pin is gone and so is its last reader
+            free = free[~tails]
+        free = free[t.committed[free]]
+        for tier, part in self._by_tier(free):
+            self.evictable[tier].add(part)
+        promote = free[t.promote[free]]
+        if len(promote):
+            t.promote[promote] = False
+            for block_id in promote.tolist():
+                self.promote(block_id)
 
-    def _move(self, entry: Entry, tier: str) -> None:
-        [slot] = self._take_slots(tier, 1)
-        self.copies.copy(entry.tier, entry.slot, tier, slot)
-        self.tiers[entry.tier].allocator.free(entry.slot)
-        self.evictable[entry.tier].discard(entry)
-        entry.tier, entry.slot = tier, slot
-        if entry.pins == 0 and entry.committed and not entry.is_tail:
-            self.evictable[tier].add(entry)
-        self.index.moved(entry.key, tier)
+    def commit(self, block_ids: np.ndarray) -> None:
+        """Committed now (not tails): the writer's pin goes, and with it, for most, the last pin."""
+        t = self.table
+        t.committed[block_ids] = True
+        t.pins[block_ids] -= 1
+        free = block_ids[t.pins[block_ids] == 0]
+        for tier, part in self._by_tier(free):
+            self.evictable[tier].add(part)
 
-    def promote(self, entry: Entry) -> None:
-        if entry.tier != DRAM or self.room(DEVICE) == 0:
-            return
-        self.counters.promotions += 1
-        if self.tiers[DEVICE].allocator.num_free > 0:
-            self._move(entry, DEVICE)
-            return
-        # Device full: swap with its first to evict, which takes our DRAM slot.
-        victim = self.evictable[DEVICE].pop_first()
-        self.evictable[DRAM].discard(entry)
-        device, dram = self.tiers[DEVICE], self.tiers[DRAM]
-        ours = dram.view(entry.slot).clone()
-        copy_slot(device, victim.slot, dram, entry.slot)
-        device.view(victim.slot).copy_(ours)
-        entry.tier, entry.slot, victim.tier, victim.slot = DEVICE, victim.slot, DRAM, entry.slot
-        self.evictable[DEVICE].add(entry)
-        self.evictable[DRAM].add(victim)
-        self.counters.evictions[DEVICE] += 1
-        self.index.moved(entry.key, DEVICE)
-        self.index.moved(victim.key, DRAM)
+    def keep(self, block_ids: np.ndarray) -> None:
+        """Most recently used, and no longer copies their writer keeps (the writer let them go)."""
+        t = self.table
+        copies = block_ids[t.duplicate[block_ids]]
+        if len(copies):
+            t.duplicate[copies] = False
+            for tier, part in self._by_tier(copies[t.stamp[copies] != 0]):
+                self.evictable[tier].discard(part)  # from the copies' queue to the rest's
+                self.evictable[tier].add(part)
+        for tier, part in self._by_tier(block_ids):
+            self.evictable[tier].touch(part)
 
-    def allocate(self, n: int) -> list[tuple[str, list[int]]]:
-        """n new slots, as (tier, slots): device tier first, the rest spilled to DRAM; all or nothing."""
+    # -- eviction ----------------------------------------------------------------------------
+    def drop(self, block_ids: np.ndarray) -> None:
+        t = self.table
+        for tier, part in self._by_tier(block_ids):
+            self.evictable[tier].discard(part)
+        indexed = (t.committed[block_ids] & ~t.is_tail[block_ids]).tolist()
+        keys = t.clear(block_ids)
+        self._free_rows(block_ids.tolist())
+        for key, told in zip(keys, indexed, strict=True):
+            if told:
+                self.index.dropped(key)
+
+    def _free_rows(self, rows: list[int]) -> None:
+        split = self.table.split
+        device = [r for r in rows if r < split]
+        if device:
+            self.tiers[DEVICE].allocator.free_many(device)
+        if len(device) < len(rows):
+            self.tiers[DRAM].allocator.free_many([r - split for r in rows if r >= split])
+
+    def allocate(self, n: int) -> np.ndarray:
+        """n empty rows: device tier first, the rest spilled to DRAM; all or nothing. Evicts as
+        needed (demoting device blocks to DRAM, copying their bytes before it returns)."""
         device = self.tiers[DEVICE].allocator
         if device.num_free >= n:  # room without evicting: nothing moves
-            return [(DEVICE, device.allocate(n))]
+            return self._rows(DEVICE, device.allocate(n))
         room_dev, room_dram = self.room(DEVICE), self.room(DRAM)
         if n > room_dev + room_dram:
             raise ResourceExhausted(
@@ -141,5 +138,121 @@ class TieredBlocks:
                 f"(the rest are pinned by readers or writers); retry later"
             )
         n_dev = min(n, room_dev)
-        with self.copies.batch():
-            return [(DEVICE, self._take_slots(DEVICE, n_dev)), (DRAM, self._take_slots(DRAM, n - n_dev))]
+        moves: dict[int, int] = {}  # DRAM row -> the device row its block comes from
+        if n_dev > device.num_free:
+            victims = self.evictable[DEVICE].pop(n_dev - device.num_free)
+            self.counters.evictions[DEVICE] += len(victims)
+            self._demote(victims, moves)
+        rows = self._rows(DEVICE, device.allocate(n_dev))
+        if n > n_dev:
+            dram = self.tiers[DRAM].allocator
+            if n - n_dev > dram.num_free:
+                dropped = self.evictable[DRAM].pop(n - n_dev - dram.num_free)
+                self.counters.evictions[DRAM] += len(dropped)
+                for row in dropped.tolist():
+                    moves.pop(row, None)  # demoted above, dropped now: never copied
+                self.drop(dropped)
+            rows = np.concatenate([rows, self._rows(DRAM, dram.allocate(n - n_dev))])
+        split = self.table.split
+        copy_slots(self.tiers, {(DRAM, dst - split): (DEVICE, src) for dst, src in moves.items()})
+        return rows
+
+    def _rows(self, tier: str, slots: list[int]) -> np.ndarray:
+        rows = np.array(slots, dtype=np.int64) if slots else np.empty(0, np.int64)
+        return rows if tier == DEVICE else rows + self.table.split
+
+    def _demote(self, victims: np.ndarray, moves: dict[int, int]) -> None:
+        """Device blocks (in eviction order, out of the device order) go to DRAM as they would
+        one by one: each to a free DRAM slot, or else to the slot of DRAM's first to evict, which
+        is dropped (a victim demoted earlier, too); with no room in DRAM at all they are dropped.
+        Their device rows are free after; `moves` gets each survivor's (DRAM row, device row)."""
+        t = self.table
+        order, dram = self.evictable[DRAM], self.tiers[DRAM].allocator
+        if dram.num_free + len(order) == 0:
+            self.drop(victims)
+            return
+        k = len(victims)
+        landing = [t.split + s for s in dram.allocate(min(k, dram.num_free))]
+        old_copies, old_rest = (deque(q) for q in order.peek(k - len(landing)))
+        copy = t.duplicate[victims].tolist()
+        queued: tuple[deque[int], deque[int]] = (deque(), deque())  # victims in DRAM by now: copies, rest
+        dropped_old: list[int] = []  # DRAM rows whose blocks go
+        dropped_new: set[int] = set()  # victims that landed, then went
+        for i in range(k):
+            if i >= len(landing):  # DRAM full: its first to evict goes (copies first, old before new)
+                if old_copies:
+                    row = old_copies.popleft()
+                    dropped_old.append(row)
+                elif queued[0]:
+                    j = queued[0].popleft()
+                    row = landing[j]
+                    dropped_new.add(j)
+                elif old_rest:
+                    row = old_rest.popleft()
+                    dropped_old.append(row)
+                else:
+                    j = queued[1].popleft()
+                    row = landing[j]
+                    dropped_new.add(j)
+                landing.append(row)
+            queued[0 if copy[i] else 1].append(i)
+        self.counters.evictions[DRAM] += len(dropped_old) + len(dropped_new)  # each made room once
+        victim_rows = victims.tolist()
+        if dropped_old:
+            self.drop_kept_rows(np.array(dropped_old, dtype=np.int64))
+        gone = [victim_rows[j] for j in sorted(dropped_new)]
+        if gone:
+            self.drop_kept_rows(np.array(gone, dtype=np.int64))
+        staying = [i for i in range(k) if i not in dropped_new]
+        src = np.array([victim_rows[i] for i in staying], dtype=np.int64)
+        dst = np.array([landing[i] for i in staying], dtype=np.int64)
+        t.move(src, dst)
+        order.add(dst)
+        # Rows taken for victims that went again, and the victims' device rows, are free.
+        used = set(dst.tolist())
+        self._free_rows([r for r in set(landing) if r not in used] + victim_rows)
+        for i, j in zip(src.tolist(), dst.tolist(), strict=True):
+            moves[j] = i
+            self.index.moved(t.keys[j], DRAM)
+
+    def drop_kept_rows(self, block_ids: np.ndarray) -> None:
+        """Forget these blocks but keep their rows taken (the caller reuses or frees them)."""
+        t = self.table
+        for tier, part in self._by_tier(block_ids):
+            self.evictable[tier].discard(part)
+        for key in t.clear(block_ids):
+            self.index.dropped(key)
+
+    def promote(self, block_id: int) -> None:
+        """Move a DRAM block to the device tier: to a free slot, or in a swap with the device's
+        first to evict."""
+        t = self.table
+        if block_id < t.split or self.room(DEVICE) == 0:
+            return
+        self.counters.promotions += 1
+        device, dram = self.tiers[DEVICE], self.tiers[DRAM]
+        src = np.array([block_id], dtype=np.int64)
+        self.evictable[DRAM].discard(src)
+        dram_slot = t.slot_of(block_id)
+        key = t.keys[block_id]
+        if device.allocator.num_free > 0:
+            [slot] = device.allocator.allocate(1)
+            copy_slot(dram, dram_slot, device, slot)
+            dst = np.array([slot], dtype=np.int64)
+            t.move(src, dst)
+            dram.allocator.free(dram_slot)
+            self.evictable[DEVICE].add(dst)
+            self.index.moved(key, DEVICE)
+            return
+        victim = self.evictable[DEVICE].pop(1)
+        [v] = victim.tolist()
+        ours = dram.view(dram_slot).clone()
+        copy_slot(device, v, dram, dram_slot)
+        device.view(v).copy_(ours)
+        t.swap(block_id, v)
+        self.evictable[DEVICE].add(victim)  # row v: ours now
+        self.evictable[DRAM].add(src)  # the victim, in our old row
+        self.counters.evictions[DEVICE] += 1
+        self.index.moved(key, DEVICE)
+        self.index.moved(t.keys[block_id], DRAM)
+

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from services.kvstore.store import BlockStore
 
 
 def tier_stats(store: BlockStore, tier: str) -> dict:
-    mem = store.tiers[tier]
-    in_tier = [e for e in store.entries.values() if e.tier == tier]
+    mem, table = store.tiers[tier], store.table
+    rows = table.tier_range(tier)
     return {
         "capacity_blocks": mem.info.num_slots,
         "capacity_bytes": mem.nbytes,
-        "used_blocks": len(in_tier),
-        "pinned_blocks": sum(1 for e in in_tier if e.pins > 0),
+        "used_blocks": mem.info.num_slots - mem.allocator.num_free,  # a slot taken holds a block
+        "pinned_blocks": int(np.count_nonzero(table.pins[rows])),
         "hits": store.counters.tier_hits[tier],
         "evictions": store.counters.evictions[tier],
-        "duplicate_blocks": sum(1 for e in in_tier if e.duplicate),
+        "duplicate_blocks": int(np.count_nonzero(table.duplicate[rows])),
     }
 
 
 def committed_blocks(store: BlockStore) -> list[tuple[bytes, str]]:
     """(key, tier) of every committed prefix block: what the Redis index is rebuilt from."""
-    return [(e.key, e.tier) for e in store.entries.values() if e.committed and not e.is_tail]
+    table = store.table
+    rows = np.flatnonzero(table.committed & ~table.is_tail).tolist()
+    return [(table.keys[i], table.tier_of(i)) for i in rows]

@@ -1,0 +1,155 @@
+"""The store's blocks as columns: one row per slot, across both tiers.
+
+A block's id is its slot's row: device slots are rows [0, D), DRAM slots rows [D, D + R). A
+block that moves between tiers changes id; a pinned block never moves, so a lease may hold ids.
+A call of a thousand blocks then sets a column's rows in one numpy step instead of making and
+touching a thousand objects (≈ 185 ns to make each one here, more than the rest of a put).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from services.kvstore.entries import DEVICE, DRAM
+from services.kvstore.memory import TierMemory
+
+NO_BLOCK = -1
+
+
+class BlockView(NamedTuple):
+    """One block's state, read out (for tests, stats and logs; calls work on the columns)."""
+
+    key: bytes
+    tier: str
+    slot: int
+    pins: int
+    committed: bool
+    duplicate: bool
+    is_tail: bool
+    promote_on_release: bool
+
+
+class BlockTable:
+    """Owns every block's row and the key -> id map; `TieredBlocks` decides what goes where.
+
+    Invariants: `ids[k] == i` exactly when `keys[i] == k`; a row with no block has key None and
+    every flag clear (rows are cleared when their block goes, so a new block starts clean)."""
+
+    def __init__(self, device: TierMemory, dram: TierMemory):
+        self.split = device.info.num_slots  # first DRAM id
+        n = self.split + dram.info.num_slots
+        self.size = n
+        self.ids: dict[bytes, int] = {}
+        self.keys: list[bytes | None] = [None] * n
+        # The id of the block its put wrote after it (NO_BLOCK: none): a get's likely next block,
+        # found without a look-up. Not cleared when that block goes: a reader checks its key.
+        self.next: list[int] = [NO_BLOCK] * n
+        self.pins = np.zeros(n, np.int32)
+        # The get's chain reads this one row at a time: a bytearray's item is cheap, numpy's not.
+        self.committed_bytes = bytearray(n)
+        self.committed = np.frombuffer(self.committed_bytes, np.bool_)
+        # Its writer keeps a copy in its own cache: when unpinned it goes to the cold end of its
+        # tier's eviction order, not the recent one; an offload of the same block clears this.
+        self.duplicate = np.zeros(n, np.bool_)
+        self.is_tail = np.zeros(n, np.bool_)
+        self.promote = np.zeros(n, np.bool_)  # a DRAM hit: promoted when its last reader lets go
+        self.stamp = np.zeros(n, np.int64)  # its item in its tier's EvictionOrder; 0: in none
+        self._stamps = 0
+        nbytes = device.block_nbytes
+        self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
+            np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
+            np.uint64(dram.base_address) + np.arange(n - self.split, dtype=np.uint64) * np.uint64(nbytes)])
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def tier_of(self, block_id: int) -> str:
+        return DEVICE if block_id < self.split else DRAM
+
+    def slot_of(self, block_id: int) -> int:
+        return block_id if block_id < self.split else block_id - self.split
+
+    def id_of(self, tier: str, slot: int) -> int:
+        return slot if tier == DEVICE else self.split + slot
+
+    def tier_range(self, tier: str) -> slice:
+        return slice(0, self.split) if tier == DEVICE else slice(self.split, self.size)
+
+    def tiers_of(self, block_ids: np.ndarray) -> list[str]:
+        if not len(block_ids) or block_ids.max() < self.split:
+            return [DEVICE] * len(block_ids)
+        return [DEVICE if i < self.split else DRAM for i in block_ids.tolist()]
+
+    def take_stamps(self, n: int) -> np.ndarray:
+        """n fresh eviction-order stamps, increasing (one sequence for both tiers' orders, so an
+        item left behind by a block that moved or went never matches its row again)."""
+        first = self._stamps + 1
+        self._stamps += n
+        return np.arange(first, first + n, dtype=np.int64)
+
+    def add(self, keys: list[bytes], block_ids: np.ndarray, pins: int, duplicate: bool) -> None:
+        """New blocks, uncommitted, in rows that hold none."""
+        self.ids.update(zip(keys, block_ids.tolist(), strict=True))
+        if len(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run: slices
+            first, last = int(block_ids[0]), int(block_ids[-1]) + 1
+            self.keys[first:last] = keys
+            self.pins[first:last] = pins
+            if duplicate:
+                self.duplicate[first:last] = True
+        else:
+            for i, key in zip(block_ids.tolist(), keys, strict=True):
+                self.keys[i] = key
+            self.pins[block_ids] = pins
+            if duplicate:
+                self.duplicate[block_ids] = True
+
+    def link(self, block_ids: list[int]) -> None:
+        """Each block's next is the one after it."""
+        if len(block_ids) > 1 and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run
+            self.next[block_ids[0] : block_ids[-1]] = range(block_ids[0] + 1, block_ids[-1] + 1)
+        else:
+            for a, b in zip(block_ids, block_ids[1:], strict=False):
+                self.next[a] = b
+
+    def clear(self, block_ids: np.ndarray) -> list[bytes]:
+        """Forget the blocks in these rows; returns their keys."""
+        keys = [self.keys[i] for i in block_ids.tolist()]
+        for i, key in zip(block_ids.tolist(), keys, strict=True):
+            del self.ids[key]
+            self.keys[i] = None
+        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
+            column[block_ids] = 0
+        return keys
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The blocks in rows `src` now live in rows `dst` (empty ones): every column follows
+        (the eviction-order stamp too: the caller queues them again where they now are)."""
+        keys = [self.keys[i] for i in src.tolist()]
+        dst_list = dst.tolist()
+        for i, j, key in zip(src.tolist(), dst_list, keys, strict=True):
+            self.keys[j], self.keys[i] = key, None
+            self.next[j] = self.next[i]
+            self.ids[key] = j
+        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote):
+            column[dst] = column[src]
+            column[src] = 0
+        self.stamp[src] = 0
+
+    def swap(self, a: int, b: int) -> None:
+        """The blocks in rows a and b trade places (a promotion into a full device tier)."""
+        ka, kb = self.keys[a], self.keys[b]
+        self.keys[a], self.keys[b] = kb, ka
+        self.ids[ka], self.ids[kb] = b, a
+        self.next[a], self.next[b] = self.next[b], self.next[a]
+        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
+            column[[a, b]] = column[[b, a]]
+
+    def view(self, key: bytes) -> BlockView:
+        i = self.ids[key]
+        return BlockView(key, self.tier_of(i), self.slot_of(i), int(self.pins[i]), bool(self.committed[i]),
+                         bool(self.duplicate[i]), bool(self.is_tail[i]), bool(self.promote[i]))
