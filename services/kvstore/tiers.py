@@ -76,22 +76,24 @@ class TieredBlocks:
             self.drop(free[tails])  # a tail's TTL pin is gone and so is its last reader
             free = free[~tails]
         free = free[t.committed[free]]
-        for tier, part in self._by_tier(free):
+        start = 0
+        for at in np.flatnonzero(t.promote[free]).tolist():  # each as if released one by one
+            self._requeue(free[start : at + 1])
+            t.promote[free[at]] = False
+            self.promote(int(free[at]))
+            start = at + 1
+        self._requeue(free[start:])
+
+    def _requeue(self, block_ids: np.ndarray) -> None:
+        for tier, part in self._by_tier(block_ids):
             self.evictable[tier].add(part)
-        promote = free[t.promote[free]]
-        if len(promote):
-            t.promote[promote] = False
-            for block_id in promote.tolist():
-                self.promote(block_id)
 
     def commit(self, block_ids: np.ndarray) -> None:
         """Committed now (not tails): the writer's pin goes, and with it, for most, the last pin."""
         t = self.table
         t.committed[block_ids] = True
         t.pins[block_ids] -= 1
-        free = block_ids[t.pins[block_ids] == 0]
-        for tier, part in self._by_tier(free):
-            self.evictable[tier].add(part)
+        self._requeue(block_ids[t.pins[block_ids] == 0])
 
     def keep(self, block_ids: np.ndarray) -> None:
         """Most recently used, and no longer copies their writer keeps (the writer let them go)."""
