@@ -127,26 +127,25 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
 
 
 
-def test_a_get_follows_a_puts_blocks_in_order_but_never_to_a_dropped_one():
-    """A get finds the block after one through the put that wrote both; where that block was
-    dropped and its hash written again by another put, or the chain goes elsewhere, it looks
-    the hash up: the answer is the blocks the store holds now, exactly."""
+def test_a_get_answers_the_blocks_the_store_holds_now_wherever_their_puts_left_them():
+    """A chain whose blocks were written by several puts, one of them dropped and written again
+    elsewhere: a get answers the longest committed prefix of what the store holds now, exactly,
+    and refuses a chain that names a block twice."""
     store, _ = _store(device=8)
     dev = store.tiers[DEVICE].base_address
     a, _ = store.allocate_put([_h(0), _h(1), _h(2)], None, 0, "a")
     store.commit(a.lease_id, [_h(0), _h(1)])
-    assert store.table.next[:3] == [1, 2, -1]
     assert store.release(a.lease_id) == (0, 1)  # its writer gave up: _h(2) is dropped
-    assert _h(2) not in store.table and store.table.keys[2] is None and store.table.next[1] == 2
+    assert _h(2) not in store.table and store.table.keys[2] is None and store.table.row(_h(2)) == -1
     b, slots = store.allocate_put([_h(3), _h(4), _h(2)], None, 0, "b")
     store.commit(b.lease_id)
     assert slots.addresses == [dev + 16, dev + 24, dev + 32]  # _h(2)'s old row now holds _h(3)
     lease, got, _ = store.get([_h(0), _h(1), _h(2), _h(3)], None, 0, "r")
-    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]  # _h(1)'s next row holds _h(3) now: _h(2) looked up
+    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]
     assert got.addresses == [dev, dev + 8, dev + 32, dev + 16]
     assert lease.pinned == [0, 1, 4, 2] and [store.block(_h(i)).pins for i in range(5)] == [1, 1, 1, 1, 0]
     store.release(lease.lease_id)
-    lease, got, _ = store.get([_h(3), _h(4), _h(2), _h(9)], None, 0, "r")  # followed all the way
+    lease, got, _ = store.get([_h(3), _h(4), _h(2), _h(9)], None, 0, "r")
     assert got.keys == [_h(3), _h(4), _h(2)] and got.addresses == [dev + 16, dev + 24, dev + 32]
     with pytest.raises(InvalidArgument, match="repeat within one get"):
         store.get([_h(0), _h(1), _h(0)], None, 0, "r")
@@ -191,7 +190,7 @@ def test_a_store_that_turns_over_leaves_clean_rows_and_sheds_its_dead_order_item
             read, _, _ = store.get(put(i)[:1], None, 0, "r")
             store.release(read.lease_id)
     t = store.table
-    assert len(t) == 20 and all(t.ids[k] == i for i, k in enumerate(t.keys))
+    assert len(t) == 20 and all(t.row(k) == i for i, k in enumerate(t.keys))
     assert (t.pins.sum(), t.committed.sum(), t.stamp.astype(bool).sum()) == (0, 20, 20)
     assert set(t.keys[:16]) == {*put(498), *put(499)}  # the device: the last two puts
     assert sorted(t.keys[16:]) == put(497)[4:]  # DRAM: the last 4 of the 8 the last put demoted

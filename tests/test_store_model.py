@@ -103,11 +103,18 @@ class ReferenceTiers:
                 self._append(key)
 
 
+@pytest.mark.parametrize("index", ["c", "dict"])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_store_evicts_demotes_and_promotes_exactly_as_one_block_at_a_time(seed):
+def test_the_store_evicts_demotes_and_promotes_exactly_as_one_block_at_a_time(seed, index, monkeypatch):
+    """With the C hash index, and with the dict one a machine without a compiler gets."""
+    import services.kvstore.table as table_module
+    from services.kvstore.block_index import DictBlockIndex, NativeBlockIndex
+
+    monkeypatch.setattr(table_module, "make_index", NativeBlockIndex if index == "c" else DictBlockIndex)
     rng = random.Random(seed)
     device, dram = rng.choice([(8, 4), (16, 0), (12, 12), (6, 20)])
     store = BlockStore(TierMemory("device", device, 8), TierMemory("dram", dram, 8))
+    assert isinstance(store.table.index, NativeBlockIndex if index == "c" else DictBlockIndex)
     model = ReferenceTiers(device, dram)
     chains: list[list[bytes]] = []
     for step in range(300):
@@ -136,7 +143,8 @@ def test_the_store_evicts_demotes_and_promotes_exactly_as_one_block_at_a_time(se
             model.put(chain, copy)
             chains.append(chain)
         t = store.table
-        assert {k: t.tier_of(i) for k, i in t.ids.items()} == model.tier, step
+        assert {k: t.tier_of(i) for i, k in enumerate(t.keys) if k is not None} == model.tier, step
+        assert all(t.row(k) == i for i, k in enumerate(t.keys) if k is not None) and len(t) == len(model.tier)
         for tier in (DEVICE, DRAM):
             assert [t.keys[i] for i in store.evictable[tier].ids()] == model.ids(tier), (step, tier)
         assert not t.pins.any() and len(store.leases) == 0

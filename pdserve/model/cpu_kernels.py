@@ -2,24 +2,18 @@
 called through ctypes.
 
 Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
-libgomp, already loaded under the same soname) into a cache directory keyed by the source, the
-flags and the CPU, so every worker process of one machine reuses one build. Concurrent first
-builds are safe: each compiles to its own temporary file and renames it into place.
+libgomp, already loaded under the same soname), once per machine (pdserve/native.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pdserve.native import NativeUnavailable, build
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("paged_decode.c", "pointwise.c", "small_gemm.c", "checksum.c")]
@@ -30,56 +24,13 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why and what to install."""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_KERNEL_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
-    return Path(root)
-
-
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = [platform.processor()]
-    return "".join(lines)
-
-
-def _compiler() -> str:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    raise KernelUnavailable("no C compiler found (set CC, or install gcc: apt-get install gcc)")
+KernelUnavailable = NativeUnavailable  # the kernels cannot be built or loaded here
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """The built kernel library (built now if this machine has none yet)."""
-    cc = _compiler()
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join([cc, *FLAGS, *LINK_FLAGS]).encode()
-                         + _cpu_key().encode()).hexdigest()
-    target = _cache_dir() / f"cpu_ops-{key[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        objects = [f"{tmp}.{src.stem}.o" for src in SOURCES]
-        try:
-            steps = [[cc, *FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects, strict=True)]
-            for cmd in [*steps, [cc, *objects, "-o", tmp, *LINK_FLAGS]]:
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise KernelUnavailable(f"building the CPU kernels with {cc} failed: {done.stderr.strip()[-600:]}")
-            os.replace(tmp, target)
-        finally:
-            for leftover in (tmp, *objects):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-    lib = ctypes.CDLL(str(target))
+    lib = build("cpu_ops", SOURCES, FLAGS, LINK_FLAGS)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for suffix in _SUFFIX.values():
         fn = getattr(lib, f"paged_decode_{suffix}")

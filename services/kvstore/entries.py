@@ -55,7 +55,9 @@ class Lease:
     deadline: float
     request_id: str
     pinned: list[int] = field(default_factory=list)  # read: the block ids it pins; write: those still uncommitted
-    all_keys: set[bytes] = field(default_factory=set)  # write: every key the put named
+    named: list[bytes] = field(default_factory=list)  # write: every key the put named, the tail last
+    tail_key: bytes | None = None  # write: the put's tail, if any
+    all_keys: set[bytes] | None = None  # write: `named` as a set, made when a commit names keys
     watching: bool = False  # a live Watch stream keeps it from lapsing
     hold_id: str = ""  # write: the hold on this put's blocks, if any
     held: list[int] = field(default_factory=list)  # hold: the block ids it pinned

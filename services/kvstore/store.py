@@ -21,7 +21,7 @@ from services.kvstore.entries import DEVICE, DRAM, Counters, Lease, SlotRef, Slo
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
 from services.kvstore.memory import TierMemory
-from services.kvstore.table import NO_BLOCK, BlockView
+from services.kvstore.table import NO_BLOCK, BlockView, pack
 from services.kvstore.tiers import TieredBlocks
 from services.kvstore.watches import Watches
 
@@ -50,7 +50,9 @@ class BlockStore:
 
     def locate(self, key: bytes) -> tuple[str, int]:
         """(tier, slot) of a block here; only while it is pinned does that stay true."""
-        i = self.table.ids[key]
+        i = self.table.row(key)
+        if i == NO_BLOCK:
+            raise KeyError(key)
         return self.table.tier_of(i), self.table.slot_of(i)
 
     @property
@@ -76,59 +78,61 @@ class BlockStore:
         lease (`lease.hold_id`) until it is released or lapses, hold_ms after the last commit;
         releasing the write lease uncommitted (the writer failed) releases the hold too."""
         t = self.table
-        if tail_key is not None and tail_key in t.ids:
+        if tail_key is not None and tail_key in t.tails:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
-        named = set(hashes)
-        if len(named) != len(hashes):
+        packed = pack(hashes)
+        if t.index.first_repeat(packed) >= 0:
             raise InvalidArgument("block hashes repeat within one put")
-        keys = [*hashes, tail_key] if tail_key is not None else hashes
-        # Which are here already, found from the put's side (a dict's keys & a small set).
-        here = t.ids.keys() & named
-        present = np.array([t.ids[h] for h in hashes if h in here], np.int64) if here else None
-        new_keys = [k for k in keys if k not in here] if here else keys
+        found = t.index.lookup(packed)  # each hash's row, or -1: not here
+        here = found >= 0
+        if here.any():
+            present = found[here]
+            new_hashes = [h for h, is_here in zip(hashes, here.tolist(), strict=True) if not is_here]
+            new_packed = packed[~here]
+        else:  # the common put: every block is new
+            present, new_hashes, new_packed = None, hashes, packed
         # Making room must not evict the blocks of this very put that are already here.
         if present is not None:
             self.blocks.pin(present)
         try:
-            rows = self.blocks.allocate(len(new_keys))
+            rows = self.blocks.allocate(len(new_hashes) + (tail_key is not None))
         finally:
             if present is not None:
                 self.blocks.unpin(present)
         lease = self.leases.new("write", lease_ms, request_id)
-        if tail_key is not None:
-            named.add(tail_key)
-        lease.all_keys = named
-        t.add(new_keys, rows, pins=1, duplicate=writer_keeps_copy)  # the writer's pin
+        lease.named = [*hashes, tail_key] if tail_key is not None else hashes
+        lease.tail_key = tail_key
+        t.add(new_hashes, new_packed, rows, pins=1, duplicate=writer_keeps_copy, tail_key=tail_key)  # the writer's pin
         lease.pinned = rows.tolist()
-        t.link(lease.pinned)
-        if tail_key is not None:
-            t.is_tail[t.ids[tail_key]] = True
-        if present is None:  # the common put: every block is new
-            out = Slots(new_keys, t.address[rows].tolist(), t.tiers_of(rows), [SlotState.WRITE] * len(rows))
+        if present is None:
+            out = Slots(lease.named, t.address[rows].tolist(), t.tiers_of(rows), [SlotState.WRITE] * len(rows))
         else:
-            out = self._put_slots(keys, set(new_keys), present, writer_keeps_copy)
+            found[~here] = rows[: len(new_hashes)]
+            all_rows = np.concatenate([found, rows[len(new_hashes):]])  # (the tail's, if any)
+            out = self._put_slots(lease.named, all_rows, ~here, present, writer_keeps_copy)
         if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
             hold = self.leases.new("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            hold.held_keys = [h for h, state in zip(hashes, out.states, strict=False) if state != SlotState.PENDING]
-            hold.held = [t.ids[h] for h in hold.held_keys]
+            held = [(h, i) for h, i, state in zip(hashes, (found if present is not None else rows).tolist(), out.states,
+                                                   strict=False) if state != SlotState.PENDING]
+            hold.held_keys, hold.held = [h for h, _ in held], [i for _, i in held]
             self.blocks.pin(np.array(hold.held, np.int64))
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self.leases.close(lease)
         return lease, out
 
-    def _put_slots(self, keys: list[bytes], new: set[bytes], present: np.ndarray, writer_keeps_copy: bool) -> Slots:
+    def _put_slots(self, keys: list[bytes], rows: np.ndarray, new: np.ndarray, present: np.ndarray,
+                   writer_keeps_copy: bool) -> Slots:
+        """`rows`: each key's (hashes, then the tail); `new`: which hashes this put writes."""
         t = self.table
         if not writer_keeps_copy:
             kept = present[t.committed[present]]
             if len(kept):
                 self.blocks.keep(kept)
-        rows = np.array([t.ids[k] for k in keys], np.int64)
-        committed = t.committed[rows].tolist()
-        states = [SlotState.WRITE if k in new else SlotState.PRESENT if c else SlotState.PENDING
-                  for k, c in zip(keys, committed, strict=True)]
-        return Slots(list(keys), t.address[rows].tolist(), t.tiers_of(rows), states)
+        new = np.concatenate([new, np.ones(len(rows) - len(new), np.bool_)])  # a tail is always new
+        states = np.where(new, SlotState.WRITE, np.where(t.committed[rows], SlotState.PRESENT, SlotState.PENDING))
+        return Slots(list(keys), t.address[rows].tolist(), t.tiers_of(rows), list(map(SlotState, states.tolist())))
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -145,12 +149,16 @@ class BlockStore:
             wanted = lease.pinned  # the blocks it wrote that are still uncommitted
         else:
             keys = list(keys)
+            if lease.all_keys is None:
+                lease.all_keys = set(lease.named)
             for key in keys:
                 if key not in lease.all_keys:
                     raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
+            hash_rows = iter(t.index.lookup(pack([k for k in keys if k != lease.tail_key])).tolist())
+            rows_named = [t.tails[k] if k == lease.tail_key else next(hash_rows) for k in keys]
             # Keys it named but did not write (present, or another writer's) are not its to commit.
             mine = set(lease.pinned)
-            wanted = list(dict.fromkeys(i for k in keys if (i := t.ids.get(k, NO_BLOCK)) in mine))
+            wanted = list(dict.fromkeys(i for i in rows_named if i in mine))
         rows = np.array(wanted, np.int64)
         tails = t.is_tail[rows]
         if tails.any():  # a put's one tail: the writer's pin becomes the TTL pin
@@ -166,7 +174,7 @@ class BlockStore:
         count = len(wanted)
         self.counters.bytes_written += count * self.block_nbytes
         if count:
-            lease.pinned = [i for i in lease.pinned if not t.committed_bytes[i]] if keys is not None else []
+            lease.pinned = [i for i in lease.pinned if not t.committed[i]] if keys is not None else []
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
@@ -179,30 +187,25 @@ class BlockStore:
     def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
             request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
         t = self.table
-        look_up, keys, after, committed = t.ids.get, t.keys, t.next, t.committed_bytes
-        found: list[int] = []
-        i = NO_BLOCK
-        for h in hashes:
-            # The block after one is most often the next of the same put (see BlockTable.next):
-            # followed there rather than looked up (its row is beside the last one in memory).
-            nxt = after[i] if i != NO_BLOCK else NO_BLOCK
-            i = nxt if nxt != NO_BLOCK and keys[nxt] == h else look_up(h, NO_BLOCK)
-            if i == NO_BLOCK or not committed[i]:
-                break
-            found.append(i)
-        if len(set(found)) != len(found):
+        packed = pack(hashes)
+        rows = t.index.lookup(packed)
+        stored = rows >= 0
+        stored[stored] = t.committed[rows[stored]]
+        n = len(rows) if stored.all() else int(np.argmin(stored))  # the longest committed prefix
+        rows = rows[:n]
+        if n > 1 and t.index.first_repeat(packed[:n]) >= 0:
             raise InvalidArgument("block hashes repeat within one get")
-        tail = t.ids.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
-        if tail != NO_BLOCK and not committed[tail]:
+        found = rows.tolist()
+        tail = t.tails.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
+        if tail != NO_BLOCK and not t.committed[tail]:
             tail = NO_BLOCK
-        counters, n = self.counters, len(found)
+        counters = self.counters
         counters.hits += n
         counters.misses += len(hashes) - n
         self.index.looked_up(n, len(hashes) - n)
         if not found and tail == NO_BLOCK:
             return None, Slots([], [], [], []), None
         lease = self.leases.new("read", lease_ms, request_id)
-        rows = np.array(found, np.int64)
         n_dram = self._pin_for_read(lease, rows, found)
         counters.tier_hits[DEVICE] += n - n_dram
         counters.tier_hits[DRAM] += n_dram
@@ -234,15 +237,16 @@ class BlockStore:
         lease.watching = True
         watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
         t = self.table
+        rows = t.index.lookup(pack(hashes)).tolist()
+        if tail_key is not None:
+            rows.append(t.tails.get(tail_key, NO_BLOCK))
         ready: list[int] = []
-        hits = 0
-        for key in keys:
-            i = t.ids.get(key, NO_BLOCK)
-            if i != NO_BLOCK and t.committed_bytes[i]:
+        for key, i in zip(keys, rows, strict=True):
+            if i != NO_BLOCK and t.committed[i]:
                 ready.append(i)
-                hits += key != tail_key
             else:
                 self.watchers.wait(key, watcher)
+        hits = len(ready) - (tail_key is not None and rows[-1] in ready)
         if ready:
             self._deliver(watcher, ready)
         self.counters.hits += hits
@@ -310,5 +314,5 @@ class BlockStore:
         for key in tails:
             del self.held_tails[key]
         if tails:
-            self.blocks.unpin(np.array([self.table.ids[k] for k in tails], np.int64))
+            self.blocks.unpin(np.array([self.table.tails[k] for k in tails], np.int64))
         return len(lapsed)

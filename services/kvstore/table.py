@@ -12,10 +12,21 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pdserve.errors import InvalidArgument
+from services.kvstore.block_index import make_index
 from services.kvstore.entries import DEVICE, DRAM
 from services.kvstore.memory import TierMemory
 
 NO_BLOCK = -1
+HASH_BYTES = 16
+
+
+def pack(hashes: list[bytes]) -> np.ndarray:
+    """Block hashes as the index takes them: [n, 2] uint64, each hash's 16 bytes."""
+    data = b"".join(hashes)
+    if len(data) != HASH_BYTES * len(hashes):
+        raise InvalidArgument(f"block hashes must be {HASH_BYTES} bytes each")
+    return np.frombuffer(data, np.uint64).reshape(-1, 2)
 
 
 class BlockView(NamedTuple):
@@ -32,24 +43,21 @@ class BlockView(NamedTuple):
 
 
 class BlockTable:
-    """Owns every block's row and the key -> id map; `TieredBlocks` decides what goes where.
+    """Owns every block's row and the key -> row maps (block hashes: `index`; per-request tails:
+    `tails`); `TieredBlocks` decides what goes where.
 
-    Invariants: `ids[k] == i` exactly when `keys[i] == k`; a row with no block has key None and
+    Invariants: `row(k) == i` exactly when `keys[i] == k`; a row with no block has key None and
     every flag clear (rows are cleared when their block goes, so a new block starts clean)."""
 
     def __init__(self, device: TierMemory, dram: TierMemory):
         self.split = device.info.num_slots  # first DRAM id
         n = self.split + dram.info.num_slots
         self.size = n
-        self.ids: dict[bytes, int] = {}
+        self.index = make_index(n)  # block hash -> row
+        self.tails: dict[bytes, int] = {}  # a per-request tail's key -> row
         self.keys: list[bytes | None] = [None] * n
-        # The id of the block its put wrote after it (NO_BLOCK: none): a get's likely next block,
-        # found without a look-up. Not cleared when that block goes: a reader checks its key.
-        self.next: list[int] = [NO_BLOCK] * n
         self.pins = np.zeros(n, np.int32)
-        # The get's chain reads this one row at a time: a bytearray's item is cheap, numpy's not.
-        self.committed_bytes = bytearray(n)
-        self.committed = np.frombuffer(self.committed_bytes, np.bool_)
+        self.committed = np.zeros(n, np.bool_)
         # Its writer keeps a copy in its own cache: when unpinned it goes to the cold end of its
         # tier's eviction order, not the recent one; an offload of the same block clears this.
         self.duplicate = np.zeros(n, np.bool_)
@@ -63,10 +71,17 @@ class BlockTable:
             np.uint64(dram.base_address) + np.arange(n - self.split, dtype=np.uint64) * np.uint64(nbytes)])
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.ids
+        return self.row(key) != NO_BLOCK
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.index) + len(self.tails)
+
+    def row(self, key: bytes) -> int:
+        """The row of a block hash or a tail key; NO_BLOCK when not here."""
+        row = self.tails.get(key, NO_BLOCK)
+        if row == NO_BLOCK and len(key) == HASH_BYTES:
+            row = int(self.index.lookup(pack([key]))[0])
+        return row
 
     def tier_of(self, block_id: int) -> str:
         return DEVICE if block_id < self.split else DRAM
@@ -92,9 +107,16 @@ class BlockTable:
         self._stamps += n
         return np.arange(first, first + n, dtype=np.int64)
 
-    def add(self, keys: list[bytes], block_ids: np.ndarray, pins: int, duplicate: bool) -> None:
-        """New blocks, uncommitted, in rows that hold none."""
-        self.ids.update(zip(keys, block_ids.tolist(), strict=True))
+    def add(self, keys: list[bytes], packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
+            tail_key: bytes | None = None) -> None:
+        """New blocks, uncommitted, in rows that hold none: the hashes `keys` (`packed`), then the
+        tail (the last row) if any."""
+        n = len(packed)
+        self.index.insert(packed, block_ids[:n])
+        if tail_key is not None:
+            self.tails[tail_key] = int(block_ids[n])
+            self.is_tail[block_ids[n]] = True
+            keys = [*keys, tail_key]
         if len(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run: slices
             first, last = int(block_ids[0]), int(block_ids[-1]) + 1
             self.keys[first:last] = keys
@@ -108,19 +130,17 @@ class BlockTable:
             if duplicate:
                 self.duplicate[block_ids] = True
 
-    def link(self, block_ids: list[int]) -> None:
-        """Each block's next is the one after it."""
-        if len(block_ids) > 1 and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run
-            self.next[block_ids[0] : block_ids[-1]] = range(block_ids[0] + 1, block_ids[-1] + 1)
-        else:
-            for a, b in zip(block_ids, block_ids[1:], strict=False):
-                self.next[a] = b
-
     def clear(self, block_ids: np.ndarray) -> list[bytes]:
         """Forget the blocks in these rows; returns their keys."""
         keys = [self.keys[i] for i in block_ids.tolist()]
-        for i, key in zip(block_ids.tolist(), keys, strict=True):
-            del self.ids[key]
+        tails = self.is_tail[block_ids]
+        if tails.any():
+            for i in block_ids[tails].tolist():
+                del self.tails[self.keys[i]]
+            self.index.remove(pack([k for k, tail in zip(keys, tails.tolist(), strict=True) if not tail]))
+        else:
+            self.index.remove(pack(keys))
+        for i in block_ids.tolist():
             self.keys[i] = None
         for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
             column[block_ids] = 0
@@ -128,13 +148,12 @@ class BlockTable:
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """The blocks in rows `src` now live in rows `dst` (empty ones): every column follows
-        (the eviction-order stamp too: the caller queues them again where they now are)."""
+        (the eviction-order stamp too: the caller queues them again where they now are). Only
+        evictable blocks move: never a tail."""
         keys = [self.keys[i] for i in src.tolist()]
-        dst_list = dst.tolist()
-        for i, j, key in zip(src.tolist(), dst_list, keys, strict=True):
+        for i, j, key in zip(src.tolist(), dst.tolist(), keys, strict=True):
             self.keys[j], self.keys[i] = key, None
-            self.next[j] = self.next[i]
-            self.ids[key] = j
+        self.index.update(pack(keys), dst)
         for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote):
             column[dst] = column[src]
             column[src] = 0
@@ -144,12 +163,13 @@ class BlockTable:
         """The blocks in rows a and b trade places (a promotion into a full device tier)."""
         ka, kb = self.keys[a], self.keys[b]
         self.keys[a], self.keys[b] = kb, ka
-        self.ids[ka], self.ids[kb] = b, a
-        self.next[a], self.next[b] = self.next[b], self.next[a]
+        self.index.update(pack([ka, kb]), np.array([b, a], np.int64))
         for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
             column[[a, b]] = column[[b, a]]
 
     def view(self, key: bytes) -> BlockView:
-        i = self.ids[key]
+        i = self.row(key)
+        if i == NO_BLOCK:
+            raise KeyError(key)
         return BlockView(key, self.tier_of(i), self.slot_of(i), int(self.pins[i]), bool(self.committed[i]),
                          bool(self.duplicate[i]), bool(self.is_tail[i]), bool(self.promote[i]))

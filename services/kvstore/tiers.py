@@ -39,7 +39,7 @@ class TieredBlocks:
         self.evictable = {DEVICE: EvictionOrder(self.table), DRAM: EvictionOrder(self.table)}
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.table.ids
+        return key in self.table
 
     def slot_ref(self, block_id: int, state: SlotState = SlotState.PRESENT) -> SlotRef:
         t = self.table

@@ -1,0 +1,183 @@
+"""The store's index of block hashes: 16-byte key -> block row (see table.py).
+
+A call's keys go in and out as one array [n, 2] of uint64 (two words per hash), so a put or get
+of a thousand blocks is one C call (csrc/block_index.c, built on first use: pdserve/native.py)
+instead of a thousand dict operations on bytes objects, each a cache miss or two in an index of
+hundreds of thousands of blocks. Where no C compiler is found, the same interface over a dict,
+with a warning in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from pdserve import logs
+from pdserve.native import NativeUnavailable, build
+
+log = logs.get("kvstore.index")
+
+SOURCE = Path(__file__).with_name("csrc") / "block_index.c"
+_NONE = -1
+
+
+class BlockIndex(Protocol):
+    """Keys [n, 2] uint64 (each hash's 16 bytes), rows int64."""
+
+    def __len__(self) -> int: ...
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's row, or -1."""
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Keys not in the index, none repeated."""
+
+    def update(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Keys in the index: their new rows."""
+
+    def remove(self, keys: np.ndarray) -> None:
+        """Keys in the index."""
+
+    def first_repeat(self, keys: np.ndarray) -> int:
+        """The position of the first key equal to an earlier one, or -1."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = build("block_index", [SOURCE], ["-O2", "-fPIC", "-std=gnu11"], ["-shared"])
+    ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    lib.block_index_lookup.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
+    lib.block_index_lookup.restype = None
+    lib.block_index_insert.argtypes = [ptr, ptr, i64, ptr, ptr, u64]
+    lib.block_index_insert.restype = i64
+    lib.block_index_update.argtypes = [ptr, ptr, i64, ptr, ptr, u64]
+    lib.block_index_update.restype = i64
+    lib.block_index_remove.argtypes = [ptr, i64, ptr, ptr, u64]
+    lib.block_index_remove.restype = i64
+    lib.block_index_first_repeat.argtypes = [ptr, i64, ptr, ptr, u64]
+    lib.block_index_first_repeat.restype = i64
+    return lib
+
+
+def _places(n: int) -> int:
+    """A table of at least twice n places, a power of two (probes stay short)."""
+    return max(16, 1 << (2 * max(n, 1) - 1).bit_length())
+
+
+class NativeBlockIndex:
+    """Owns its table; at most `capacity` keys at once."""
+
+    def __init__(self, capacity: int):
+        self._lib = _library()
+        places = _places(capacity)
+        self._mask = places - 1
+        self._keys = np.zeros((places, 2), np.uint64)
+        self._rows = np.full(places, _NONE, np.int32)
+        self._count = 0
+        self.capacity = capacity
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _table(self) -> tuple[int, int, int]:
+        return self._keys.ctypes.data, self._rows.ctypes.data, self._mask
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.ascontiguousarray(keys, np.uint64)
+        out = np.empty(len(keys), np.int32)
+        tk, tr, mask = self._table()
+        self._lib.block_index_lookup(keys.ctypes.data, len(keys), tk, tr, mask, out.ctypes.data)
+        return out.astype(np.int64)
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
+        if self._count + len(keys) > self.capacity:
+            raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
+        tk, tr, mask = self._table()
+        done = self._lib.block_index_insert(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
+        self._count += done
+        if done != len(keys):
+            raise RuntimeError(f"block index: key {done} of an insert is already indexed")
+
+    def update(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
+        tk, tr, mask = self._table()
+        missing = self._lib.block_index_update(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
+        if missing:
+            raise RuntimeError(f"block index: {missing} keys to update are not indexed")
+
+    def remove(self, keys: np.ndarray) -> None:
+        keys = np.ascontiguousarray(keys, np.uint64)
+        tk, tr, mask = self._table()
+        missing = self._lib.block_index_remove(keys.ctypes.data, len(keys), tk, tr, mask)
+        self._count -= len(keys) - missing
+        if missing:
+            raise RuntimeError(f"block index: {missing} keys to remove are not indexed")
+
+    def first_repeat(self, keys: np.ndarray) -> int:
+        keys = np.ascontiguousarray(keys, np.uint64)
+        places = _places(len(keys))
+        scratch_keys, scratch_rows = np.empty((places, 2), np.uint64), np.full(places, _NONE, np.int32)
+        return self._lib.block_index_first_repeat(keys.ctypes.data, len(keys), scratch_keys.ctypes.data,
+                                                  scratch_rows.ctypes.data, places - 1)
+
+
+class DictBlockIndex:
+    """The same over a dict of bytes (where nothing can be compiled; and a reference in tests)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._rows: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @staticmethod
+    def _split(keys: np.ndarray) -> list[bytes]:
+        data = np.ascontiguousarray(keys, np.uint64).tobytes()
+        return [data[i : i + 16] for i in range(0, len(data), 16)]
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        get = self._rows.get
+        return np.array([get(k, _NONE) for k in self._split(keys)], np.int64)
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        split = self._split(keys)
+        if len(self._rows) + len(split) > self.capacity:
+            raise RuntimeError(f"block index: {len(self._rows)} + {len(split)} keys > capacity {self.capacity}")
+        for i, (key, row) in enumerate(zip(split, rows.tolist(), strict=True)):
+            if key in self._rows:
+                raise RuntimeError(f"block index: key {i} of an insert is already indexed")
+            self._rows[key] = row
+
+    def update(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        for key, row in zip(self._split(keys), rows.tolist(), strict=True):
+            if key not in self._rows:
+                raise RuntimeError("block index: a key to update is not indexed")
+            self._rows[key] = row
+
+    def remove(self, keys: np.ndarray) -> None:
+        for key in self._split(keys):
+            if self._rows.pop(key, None) is None:
+                raise RuntimeError("block index: a key to remove is not indexed")
+
+    def first_repeat(self, keys: np.ndarray) -> int:
+        seen: set[bytes] = set()
+        for i, key in enumerate(self._split(keys)):
+            if key in seen:
+                return i
+            seen.add(key)
+        return -1
+
+
+def make_index(capacity: int) -> BlockIndex:
+    """The C index, or, where it cannot be built, the dict one (logged: it is slower)."""
+    try:
+        return NativeBlockIndex(capacity)
+    except (NativeUnavailable, OSError) as e:
+        log.warning("block index: the C index is unavailable, using a dict (slower per block)", error=str(e))
+        return DictBlockIndex(capacity)

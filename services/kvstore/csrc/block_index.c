@@ -1,0 +1,107 @@
+// The store's index of block hashes (services/kvstore/block_index.py): 16-byte keys -> row,
+// open addressing with linear probing and backward-shift deletion (no tombstones).
+// A table of cap = mask + 1 places: keys [cap][2] u64, rows [cap] i32 (-1: empty). Keys are
+// mixed before use, so keys that are not random (tests, crafted input) do not cluster.
+#include <stdint.h>
+
+static inline uint64_t mix(uint64_t a, uint64_t b) {
+    uint64_t x = a ^ (b * 0x9E3779B97F4A7C15ULL);
+    x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27; x *= 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x;
+}
+
+// out[i] = row of keys[i], or -1.
+void block_index_lookup(const uint64_t* keys, int64_t n, const uint64_t* tk, const int32_t* tr,
+                        uint64_t mask, int32_t* out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t a = keys[2 * i], b = keys[2 * i + 1];
+        uint64_t p = mix(a, b) & mask;
+        for (;;) {
+            int32_t r = tr[p];
+            if (r < 0) { out[i] = -1; break; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) { out[i] = r; break; }
+            p = (p + 1) & mask;
+        }
+    }
+}
+
+// Insert keys[i] -> rows[i]. Returns n, or the index of the first key already present (nothing
+// after it inserted; those before it are).
+int64_t block_index_insert(const uint64_t* keys, const int32_t* rows, int64_t n, uint64_t* tk,
+                           int32_t* tr, uint64_t mask) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t a = keys[2 * i], b = keys[2 * i + 1];
+        uint64_t p = mix(a, b) & mask;
+        for (;;) {
+            int32_t r = tr[p];
+            if (r < 0) { tk[2 * p] = a; tk[2 * p + 1] = b; tr[p] = rows[i]; break; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) return i;
+            p = (p + 1) & mask;
+        }
+    }
+    return n;
+}
+
+// Set the row of keys present (moves); returns how many were not present.
+int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n, const uint64_t* tk,
+                           int32_t* tr, uint64_t mask) {
+    int64_t missing = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t a = keys[2 * i], b = keys[2 * i + 1];
+        uint64_t p = mix(a, b) & mask;
+        for (;;) {
+            int32_t r = tr[p];
+            if (r < 0) { missing++; break; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) { tr[p] = rows[i]; break; }
+            p = (p + 1) & mask;
+        }
+    }
+    return missing;
+}
+
+// The index of the first key equal to an earlier one of keys, or -1; scratch: an empty table
+// of its own (rows all -1), at least twice n places.
+int64_t block_index_first_repeat(const uint64_t* keys, int64_t n, uint64_t* sk, int32_t* sr, uint64_t mask) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t a = keys[2 * i], b = keys[2 * i + 1];
+        uint64_t p = mix(a, b) & mask;
+        for (;;) {
+            if (sr[p] < 0) { sk[2 * p] = a; sk[2 * p + 1] = b; sr[p] = 0; break; }
+            if (sk[2 * p] == a && sk[2 * p + 1] == b) return i;
+            p = (p + 1) & mask;
+        }
+    }
+    return -1;
+}
+
+// Remove keys; returns how many were not present.
+int64_t block_index_remove(const uint64_t* keys, int64_t n, uint64_t* tk, int32_t* tr, uint64_t mask) {
+    int64_t missing = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t a = keys[2 * i], b = keys[2 * i + 1];
+        uint64_t p = mix(a, b) & mask;
+        for (;;) {
+            if (tr[p] < 0) { missing++; goto next; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) break;
+            p = (p + 1) & mask;
+        }
+        // Backward shift: pull later entries of the run into the hole when their home allows.
+        uint64_t hole = p, q = p;
+        for (;;) {
+            q = (q + 1) & mask;
+            if (tr[q] < 0) break;
+            uint64_t home = mix(tk[2 * q], tk[2 * q + 1]) & mask;
+            // q may move to hole iff home is not in (hole, q] cyclically.
+            int in_between = (hole <= q) ? (home > hole && home <= q) : (home > hole || home <= q);
+            if (!in_between) {
+                tk[2 * hole] = tk[2 * q]; tk[2 * hole + 1] = tk[2 * q + 1]; tr[hole] = tr[q];
+                hole = q;
+            }
+        }
+        tr[hole] = -1; tk[2 * hole] = 0; tk[2 * hole + 1] = 0;
+    next:;
+    }
+    return missing;
+}

@@ -1,0 +1,63 @@
+"""The store's hash index: the C table against the dict one, key by key, through churn at full
+load (linear probing's deletions shift entries back: a wrong shift loses or misfiles keys)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from services.kvstore.block_index import DictBlockIndex, NativeBlockIndex
+from services.kvstore.table import pack
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(8, "little") * 2  # structured, not random: the mixing must spread them
+
+
+def test_the_c_index_answers_as_the_dict_one_through_churn_at_full_load():
+    rng = random.Random(7)
+    capacity = 500
+    native, ref = NativeBlockIndex(capacity), DictBlockIndex(capacity)
+    universe = [_key(i) for i in range(2000)]
+    held: set[bytes] = set()
+    for _ in range(400):
+        probe = rng.sample(universe, 64)
+        assert native.lookup(pack(probe)).tolist() == ref.lookup(pack(probe)).tolist()
+        op = rng.random()
+        if op < 0.45 and len(held) < capacity:
+            new = [k for k in rng.sample(universe, 80) if k not in held][: capacity - len(held)]
+            rows = np.array([rng.randrange(10**6) for _ in new], np.int64)
+            native.insert(pack(new), rows)
+            ref.insert(pack(new), rows)
+            held.update(new)
+        elif op < 0.9 and held:
+            gone = rng.sample(sorted(held), min(len(held), rng.randint(1, 80)))
+            native.remove(pack(gone))
+            ref.remove(pack(gone))
+            held.difference_update(gone)
+        elif held:
+            moved = rng.sample(sorted(held), min(len(held), 30))
+            rows = np.array([rng.randrange(10**6) for _ in moved], np.int64)
+            native.update(pack(moved), rows)
+            ref.update(pack(moved), rows)
+        assert len(native) == len(ref) == len(held)
+    everything = pack(universe)
+    assert native.lookup(everything).tolist() == ref.lookup(everything).tolist()
+
+
+def test_the_index_refuses_what_would_corrupt_it_and_finds_repeats():
+    index = NativeBlockIndex(4)
+    keys = pack([_key(1), _key(2)])
+    index.insert(keys, np.array([5, 6]))
+    with pytest.raises(RuntimeError, match="already indexed"):
+        index.insert(pack([_key(3), _key(1)]), np.array([7, 8]))
+    with pytest.raises(RuntimeError, match="capacity"):
+        index.insert(pack([_key(i) for i in range(10, 14)]), np.arange(4))
+    with pytest.raises(RuntimeError, match="not indexed"):
+        index.remove(pack([_key(9)]))
+    for impl in (index, DictBlockIndex(4)):
+        assert impl.first_repeat(pack([_key(1), _key(2), _key(3), _key(2)])) == 3
+        assert impl.first_repeat(pack([_key(1), _key(2)])) == -1
+    assert index.lookup(pack([_key(1), _key(2), _key(3), _key(4)])).tolist() == [5, 6, 7, -1]
