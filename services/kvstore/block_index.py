@@ -58,7 +58,7 @@ def _library() -> ctypes.CDLL:
     lib.block_index_update.restype = i64
     lib.block_index_remove.argtypes = [ptr, i64, ptr, ptr, u64]
     lib.block_index_remove.restype = i64
-    lib.block_index_first_repeat.argtypes = [ptr, i64, ptr, ptr, u64]
+    lib.block_index_first_repeat.argtypes = [ptr, i64, ptr, ptr, u64, ctypes.c_uint32]
     lib.block_index_first_repeat.restype = i64
     return lib
 
@@ -69,7 +69,7 @@ def _places(n: int) -> int:
 
 
 class NativeBlockIndex:
-    """Owns its table; at most `capacity` keys at once."""
+    """Owns its table (and a scratch one for `first_repeat`); at most `capacity` keys at once."""
 
     def __init__(self, capacity: int):
         self._lib = _library()
@@ -77,27 +77,29 @@ class NativeBlockIndex:
         self._mask = places - 1
         self._keys = np.zeros((places, 2), np.uint64)
         self._rows = np.full(places, _NONE, np.int32)
+        # The arrays never move: their addresses are taken once (each `.ctypes.data` costs a µs).
+        self._table = (self._keys.ctypes.data, self._rows.ctypes.data, self._mask)
+        self._scratch_keys = np.zeros((places, 2), np.uint64)
+        self._scratch_gen = np.zeros(places, np.uint32)
+        self._scratch = (self._scratch_keys.ctypes.data, self._scratch_gen.ctypes.data, self._mask)
+        self._gen = 0
         self._count = 0
         self.capacity = capacity
 
     def __len__(self) -> int:
         return self._count
 
-    def _table(self) -> tuple[int, int, int]:
-        return self._keys.ctypes.data, self._rows.ctypes.data, self._mask
-
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         keys = np.ascontiguousarray(keys, np.uint64)
-        out = np.empty(len(keys), np.int32)
-        tk, tr, mask = self._table()
-        self._lib.block_index_lookup(keys.ctypes.data, len(keys), tk, tr, mask, out.ctypes.data)
-        return out.astype(np.int64)
+        out = np.empty(len(keys), np.int64)
+        self._lib.block_index_lookup(keys.ctypes.data, len(keys), *self._table, out.ctypes.data)
+        return out
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
         if self._count + len(keys) > self.capacity:
             raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
-        tk, tr, mask = self._table()
+        tk, tr, mask = self._table
         done = self._lib.block_index_insert(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
         self._count += done
         if done != len(keys):
@@ -105,14 +107,14 @@ class NativeBlockIndex:
 
     def update(self, keys: np.ndarray, rows: np.ndarray) -> None:
         keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
-        tk, tr, mask = self._table()
+        tk, tr, mask = self._table
         missing = self._lib.block_index_update(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
         if missing:
             raise RuntimeError(f"block index: {missing} keys to update are not indexed")
 
     def remove(self, keys: np.ndarray) -> None:
         keys = np.ascontiguousarray(keys, np.uint64)
-        tk, tr, mask = self._table()
+        tk, tr, mask = self._table
         missing = self._lib.block_index_remove(keys.ctypes.data, len(keys), tk, tr, mask)
         self._count -= len(keys) - missing
         if missing:
@@ -120,10 +122,12 @@ class NativeBlockIndex:
 
     def first_repeat(self, keys: np.ndarray) -> int:
         keys = np.ascontiguousarray(keys, np.uint64)
-        places = _places(len(keys))
-        scratch_keys, scratch_rows = np.empty((places, 2), np.uint64), np.full(places, _NONE, np.int32)
-        return self._lib.block_index_first_repeat(keys.ctypes.data, len(keys), scratch_keys.ctypes.data,
-                                                  scratch_rows.ctypes.data, places - 1)
+        if len(keys) > self.capacity:  # (the scratch table has room for as many keys as the index)
+            return DictBlockIndex(len(keys)).first_repeat(keys)
+        self._gen = self._gen % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1: when it comes round, the places are cleared
+        if self._gen == 1:
+            self._scratch_gen[:] = 0
+        return self._lib.block_index_first_repeat(keys.ctypes.data, len(keys), *self._scratch, self._gen)
 
 
 class DictBlockIndex:

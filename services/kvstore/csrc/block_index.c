@@ -14,7 +14,7 @@ static inline uint64_t mix(uint64_t a, uint64_t b) {
 
 // out[i] = row of keys[i], or -1.
 void block_index_lookup(const uint64_t* keys, int64_t n, const uint64_t* tk, const int32_t* tr,
-                        uint64_t mask, int32_t* out) {
+                        uint64_t mask, int64_t* out) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t a = keys[2 * i], b = keys[2 * i + 1];
         uint64_t p = mix(a, b) & mask;
@@ -61,14 +61,16 @@ int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n,
     return missing;
 }
 
-// The index of the first key equal to an earlier one of keys, or -1; scratch: an empty table
-// of its own (rows all -1), at least twice n places.
-int64_t block_index_first_repeat(const uint64_t* keys, int64_t n, uint64_t* sk, int32_t* sr, uint64_t mask) {
+// The index of the first key equal to an earlier one of keys, or -1. Scratch: a table of its
+// own whose places count as empty unless their generation is `gen` (a new one per call: never
+// cleared), with at least twice n places.
+int64_t block_index_first_repeat(const uint64_t* keys, int64_t n, uint64_t* sk, uint32_t* sgen, uint64_t mask,
+                                 uint32_t gen) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t a = keys[2 * i], b = keys[2 * i + 1];
         uint64_t p = mix(a, b) & mask;
         for (;;) {
-            if (sr[p] < 0) { sk[2 * p] = a; sk[2 * p + 1] = b; sr[p] = 0; break; }
+            if (sgen[p] != gen) { sk[2 * p] = a; sk[2 * p + 1] = b; sgen[p] = gen; break; }
             if (sk[2 * p] == a && sk[2 * p + 1] == b) return i;
             p = (p + 1) & mask;
         }
