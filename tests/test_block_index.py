@@ -61,3 +61,15 @@ def test_the_index_refuses_what_would_corrupt_it_and_finds_repeats():
         assert impl.first_repeat(pack([_key(1), _key(2), _key(3), _key(2)])) == 3
         assert impl.first_repeat(pack([_key(1), _key(2)])) == -1
     assert index.lookup(pack([_key(1), _key(2), _key(3), _key(4)])).tolist() == [5, 6, 7, -1]
+
+
+@pytest.mark.parametrize("kind", [NativeBlockIndex, DictBlockIndex])
+def test_a_prefix_stops_at_the_first_block_missing_or_uncommitted_and_refuses_a_repeat(kind):
+    index = kind(8)
+    index.insert(pack([_key(i) for i in range(5)]), np.array([4, 3, 2, 1, 0]))
+    committed = np.array([True, False, True, True, True, False, False, False])  # row 1 (_key(3)) is not
+    assert index.prefix(pack([_key(0), _key(1), _key(2), _key(3), _key(4)]), committed).tolist() == [4, 3, 2]
+    assert index.prefix(pack([_key(4), _key(9), _key(0)]), committed).tolist() == [0]
+    assert index.prefix(pack([_key(0), _key(1), _key(0)]), committed) is None
+    assert index.prefix(pack([_key(0), _key(3), _key(0)]), committed).tolist() == [4]  # the repeat is past it
+    assert index.prefix(pack([]), committed).tolist() == []

@@ -21,7 +21,7 @@ from pdserve.native import NativeUnavailable, build
 
 log = logs.get("kvstore.index")
 
-SOURCE = Path(__file__).with_name("csrc") / "block_index.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("block_index.c", "block_rows.c")]
 _NONE = -1
 
 
@@ -45,11 +45,24 @@ class BlockIndex(Protocol):
     def first_repeat(self, keys: np.ndarray) -> int:
         """The position of the first key equal to an earlier one, or -1."""
 
+    def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
+        """The rows of the longest prefix of keys whose blocks are here and committed; None when
+        a key repeats an earlier one of that prefix."""
+
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    lib = build("block_index", [SOURCE], ["-O2", "-fPIC", "-std=gnu11"], ["-shared"])
+def library() -> ctypes.CDLL:
+    """The store's C library (this index, and the table's row loops: csrc/block_rows.c)."""
+    lib = build("kvstore", SOURCES, ["-O2", "-fPIC", "-std=gnu11"], ["-shared"])
     ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    lib.block_index_prefix.argtypes = [ptr, i64, ptr, ptr, u64, ptr, ptr, ptr]
+    lib.block_index_prefix.restype = i64
+    lib.rows_pin.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.rows_pin.restype = None
+    lib.rows_unpin.argtypes = [ptr, i64, ptr, ptr]
+    lib.rows_unpin.restype = i64
+    lib.rows_commit.argtypes = [ptr, i64, ptr, ptr, ptr]
+    lib.rows_commit.restype = i64
     lib.block_index_lookup.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
     lib.block_index_lookup.restype = None
     lib.block_index_insert.argtypes = [ptr, ptr, i64, ptr, ptr, u64]
@@ -72,7 +85,7 @@ class NativeBlockIndex:
     """Owns its table (and a scratch one for `first_repeat`); at most `capacity` keys at once."""
 
     def __init__(self, capacity: int):
-        self._lib = _library()
+        self._lib = library()
         places = _places(capacity)
         self._mask = places - 1
         self._keys = np.zeros((places, 2), np.uint64)
@@ -83,6 +96,7 @@ class NativeBlockIndex:
         self._scratch_gen = np.zeros(places, np.uint32)
         self._scratch = (self._scratch_keys.ctypes.data, self._scratch_gen.ctypes.data, self._mask)
         self._gen = 0
+        self._marks = np.zeros(capacity, np.uint8)  # one per row, for `prefix`
         self._count = 0
         self.capacity = capacity
 
@@ -128,6 +142,15 @@ class NativeBlockIndex:
         if self._gen == 1:
             self._scratch_gen[:] = 0
         return self._lib.block_index_first_repeat(keys.ctypes.data, len(keys), *self._scratch, self._gen)
+
+
+
+    def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
+        keys = np.ascontiguousarray(keys, np.uint64)
+        out = np.empty(len(keys), np.int64)
+        n = self._lib.block_index_prefix(keys.ctypes.data, len(keys), *self._table, committed.ctypes.data,
+                                         self._marks.ctypes.data, out.ctypes.data)
+        return out[:n] if n >= 0 else None
 
 
 class DictBlockIndex:
@@ -176,6 +199,14 @@ class DictBlockIndex:
                 return i
             seen.add(key)
         return -1
+
+
+    def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
+        rows = self.lookup(keys)
+        stored = rows >= 0
+        stored[stored] = committed[rows[stored]]
+        rows = rows[: len(rows) if stored.all() else int(np.argmin(stored))]
+        return rows if len(np.unique(rows)) == len(rows) else None
 
 
 def make_index(capacity: int) -> BlockIndex:

@@ -53,6 +53,10 @@ class EvictionOrder:
             stamp[moved] = 0
             self._queue(1, moved)
 
+    def left(self, n: int) -> None:
+        """n of its blocks left it, their stamps cleared by the table (BlockTable.pin)."""
+        self._live -= n
+
     def discard(self, block_ids: np.ndarray) -> None:
         stamp = self._table.stamp
         queued = block_ids[stamp[block_ids] != 0]

@@ -187,15 +187,10 @@ class BlockStore:
     def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
             request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
         t = self.table
-        packed = pack(hashes)
-        rows = t.index.lookup(packed)
-        stored = rows >= 0
-        stored[stored] = t.committed[rows[stored]]
-        n = len(rows) if stored.all() else int(np.argmin(stored))  # the longest committed prefix
-        rows = rows[:n]
-        if n > 1 and t.index.first_repeat(packed[:n]) >= 0:
+        rows = t.index.prefix(pack(hashes), t.committed)  # the longest committed prefix's
+        if rows is None:
             raise InvalidArgument("block hashes repeat within one get")
-        found = rows.tolist()
+        found, n = rows.tolist(), len(rows)
         tail = t.tails.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
         if tail != NO_BLOCK and not t.committed[tail]:
             tail = NO_BLOCK
@@ -218,13 +213,10 @@ class BlockStore:
     def _pin_for_read(self, lease: Lease, rows: np.ndarray, row_list: list[int]) -> int:
         """Pin blocks for a reader (out of the LRU while pinned; back at its recent end when
         unpinned); a DRAM hit is promoted once its last reader lets go. Returns the DRAM hits."""
-        t = self.table
-        self.blocks.pin(rows)
+        n_dram = self.blocks.pin(rows, for_read=True)
         lease.pinned += row_list
         self.counters.bytes_read += len(row_list) * self.block_nbytes
-        dram = rows[(rows >= t.split) & ~t.is_tail[rows]]
-        t.promote[dram] = True
-        return len(dram)
+        return n_dram
 
     # -- watch -----------------------------------------------------------------------------
     def watch(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,

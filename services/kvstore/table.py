@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.errors import InvalidArgument
-from services.kvstore.block_index import make_index
+from services.kvstore.block_index import NativeBlockIndex, library, make_index
 from services.kvstore.entries import DEVICE, DRAM
 from services.kvstore.memory import TierMemory
 
@@ -65,6 +65,11 @@ class BlockTable:
         self.promote = np.zeros(n, np.bool_)  # a DRAM hit: promoted when its last reader lets go
         self.stamp = np.zeros(n, np.int64)  # its item in its tier's EvictionOrder; 0: in none
         self._stamps = 0
+        # A call's rows are pinned, unpinned and committed in one C loop (csrc/block_rows.c, in
+        # the index's library; numpy where that could not be built). The columns never move.
+        self._lib = library() if isinstance(self.index, NativeBlockIndex) else None
+        self._columns = {name: getattr(self, name).ctypes.data
+                         for name in ("pins", "committed", "is_tail", "promote", "stamp")}
         nbytes = device.block_nbytes
         self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
             np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
@@ -106,6 +111,51 @@ class BlockTable:
         first = self._stamps + 1
         self._stamps += n
         return np.arange(first, first + n, dtype=np.int64)
+
+    def pin(self, block_ids: np.ndarray, for_read: bool) -> tuple[int, int, int]:
+        """One more pin on each row; a row queued in an eviction order leaves it. for_read: a
+        DRAM row that is no tail is marked for promotion. Returns (rows that left the device
+        order, rows that left the DRAM order, rows marked)."""
+        if self._lib is not None:
+            rows, out, c = np.ascontiguousarray(block_ids, np.int64), np.empty(3, np.int64), self._columns
+            self._lib.rows_pin(rows.ctypes.data, len(rows), c["pins"], c["stamp"], self.split, c["is_tail"],
+                               c["promote"] if for_read else None, out.ctypes.data)
+            left_device, left_dram, marked = out.tolist()
+            return left_device, left_dram, marked
+        queued = block_ids[self.stamp[block_ids] != 0]
+        self.stamp[queued] = 0
+        left_dram = int(np.count_nonzero(queued >= self.split))
+        self.pins[block_ids] += 1
+        marked = 0
+        if for_read:
+            dram = block_ids[(block_ids >= self.split) & ~self.is_tail[block_ids]]
+            self.promote[dram] = True
+            marked = len(dram)
+        return len(queued) - left_dram, left_dram, marked
+
+    def unpin(self, block_ids: np.ndarray) -> np.ndarray:
+        """One pin less on each row; returns the rows left with none, in order."""
+        if self._lib is not None:
+            rows, freed = np.ascontiguousarray(block_ids, np.int64), np.empty(len(block_ids), np.int64)
+            m = self._lib.rows_unpin(rows.ctypes.data, len(rows), self._columns["pins"], freed.ctypes.data)
+            if m < 0:
+                raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.keys[rows[-m - 1]]!r})")
+            return freed[:m]
+        if len(block_ids) and self.pins[block_ids].min() <= 0:
+            raise AssertionError(f"unpinned below zero: {block_ids[self.pins[block_ids] <= 0].tolist()}")
+        self.pins[block_ids] -= 1
+        return block_ids[self.pins[block_ids] == 0]
+
+    def commit(self, block_ids: np.ndarray) -> np.ndarray:
+        """Committed, and the writer's pin let go; returns the rows left with no pin, in order."""
+        if self._lib is not None:
+            rows, freed = np.ascontiguousarray(block_ids, np.int64), np.empty(len(block_ids), np.int64)
+            m = self._lib.rows_commit(rows.ctypes.data, len(rows), self._columns["committed"], self._columns["pins"],
+                                      freed.ctypes.data)
+            return freed[:m]
+        self.committed[block_ids] = True
+        self.pins[block_ids] -= 1
+        return block_ids[self.pins[block_ids] == 0]
 
     def add(self, keys: list[bytes], packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
             tail_key: bytes | None = None) -> None:

@@ -56,21 +56,19 @@ class TieredBlocks:
         return [(DEVICE, block_ids[~in_dram]), (DRAM, block_ids[in_dram])]
 
     # -- pins and use ------------------------------------------------------------------------
-    def pin(self, block_ids: np.ndarray) -> None:
-        """One more pin each: a pinned block is in no eviction order, so it neither moves nor goes."""
-        for tier, part in self._by_tier(block_ids):
-            self.evictable[tier].discard(part)
-        self.table.pins[block_ids] += 1
+    def pin(self, block_ids: np.ndarray, for_read: bool = False) -> int:
+        """One more pin each: a pinned block is in no eviction order, so it neither moves nor goes.
+        for_read: a DRAM hit is promoted once its last reader lets go. Returns the DRAM hits."""
+        left_device, left_dram, marked = self.table.pin(block_ids, for_read)
+        self.evictable[DEVICE].left(left_device)
+        self.evictable[DRAM].left(left_dram)
+        return marked
 
     def unpin(self, block_ids: np.ndarray) -> None:
         """One pin less each; a block no longer pinned is evictable again (at the recent end), a
         tail goes, and a DRAM hit is promoted."""
         t = self.table
-        t.pins[block_ids] -= 1
-        pins = t.pins[block_ids]
-        if len(pins) and pins.min() < 0:
-            raise AssertionError(f"unpinned below zero: {[t.keys[i] for i in block_ids[pins < 0].tolist()]}")
-        free = block_ids[pins == 0]
+        free = t.unpin(block_ids)
         tails = t.is_tail[free]
         if tails.any():
             self.drop(free[tails])  # a tail's TTL pin is gone and so is its last reader
@@ -90,10 +88,7 @@ class TieredBlocks:
 
     def commit(self, block_ids: np.ndarray) -> None:
         """Committed now (not tails): the writer's pin goes, and with it, for most, the last pin."""
-        t = self.table
-        t.committed[block_ids] = True
-        t.pins[block_ids] -= 1
-        self._requeue(block_ids[t.pins[block_ids] == 0])
+        self._requeue(self.table.commit(block_ids))
 
     def keep(self, block_ids: np.ndarray) -> None:
         """Most recently used, and no longer copies their writer keeps (the writer let them go)."""

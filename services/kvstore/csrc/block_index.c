@@ -107,3 +107,27 @@ int64_t block_index_remove(const uint64_t* keys, int64_t n, uint64_t* tk, int32_
     }
     return missing;
 }
+
+// The longest prefix of keys whose blocks are here and committed, their rows into out; returns
+// its length, or -(i + 1) when key i repeats an earlier one of the prefix. marks: one byte per
+// row, all zero, left so.
+int64_t block_index_prefix(const uint64_t* keys, int64_t n, const uint64_t* tk, const int32_t* tr,
+                           uint64_t mask, const uint8_t* committed, uint8_t* marks, int64_t* out) {
+    int64_t m = 0, repeat = -1;
+    for (; m < n; m++) {
+        uint64_t a = keys[2 * m], b = keys[2 * m + 1];
+        uint64_t p = mix(a, b) & mask;
+        int32_t r;
+        for (;;) {
+            r = tr[p];
+            if (r < 0 || (tk[2 * p] == a && tk[2 * p + 1] == b)) break;
+            p = (p + 1) & mask;
+        }
+        if (r < 0 || !committed[r]) break;
+        if (marks[r]) { repeat = m; break; }
+        marks[r] = 1;
+        out[m] = r;
+    }
+    for (int64_t i = 0; i < m; i++) marks[out[i]] = 0;
+    return repeat >= 0 ? -(repeat + 1) : m;
+}

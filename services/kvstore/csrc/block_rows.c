@@ -1,0 +1,45 @@
+// A call's rows of the block table (services/kvstore/table.py) in one loop: pins, commits and
+// eviction-order stamps. Bool columns are one byte per row; rows never repeat within a call.
+#include <stdint.h>
+
+// One more pin on each row; a row queued in an eviction order (stamp != 0) leaves it. With
+// promote given (a reader's pin), a DRAM row (>= split) that is no tail is marked for promotion.
+// out: [left the device order, left the DRAM order, DRAM rows marked].
+void rows_pin(const int64_t* rows, int64_t n, int32_t* pins, int64_t* stamp, int64_t split,
+              const uint8_t* is_tail, uint8_t* promote, int64_t* out) {
+    int64_t left_device = 0, left_dram = 0, marked = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (stamp[r]) {
+            stamp[r] = 0;
+            if (r < split) left_device++; else left_dram++;
+        }
+        pins[r]++;
+        if (promote && r >= split && !is_tail[r]) { promote[r] = 1; marked++; }
+    }
+    out[0] = left_device; out[1] = left_dram; out[2] = marked;
+}
+
+// One pin less on each row; the rows left with none go to freed, in order. Returns how many,
+// or -(i + 1) when row i had no pin (nothing changed from it on).
+int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, int64_t* freed) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (pins[r] <= 0) return -(i + 1);
+        if (--pins[r] == 0) freed[m++] = r;
+    }
+    return m;
+}
+
+// Committed, and the writer's pin let go; the rows left with no pin go to freed, in order.
+// Returns how many.
+int64_t rows_commit(const int64_t* rows, int64_t n, uint8_t* committed, int32_t* pins, int64_t* freed) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        committed[r] = 1;
+        if (--pins[r] == 0) freed[m++] = r;
+    }
+    return m;
+}
