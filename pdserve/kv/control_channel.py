@@ -92,8 +92,10 @@ class ControlChannel:
         self._connecting: asyncio.Future | None = None  # one connect at a time, shared by its callers
         self._ids = itertools.count(1)
 
-    async def call(self, name: str, request: Message, timeout_s: float) -> Message:
-        """Send one control call (`name`: its field in ControlRequest) and return its response."""
+    async def call(self, name: str, request: dict, timeout_s: float) -> Message:
+        """Send one control call (`name`: its field in ControlRequest; `request`: that message's
+        fields, made into it in place: a message built alone and placed in another is copied)
+        and return its response."""
         conn = self._conn
         if conn is None or conn.broken:
             conn = await self._connect(timeout_s)

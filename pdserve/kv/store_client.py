@@ -163,7 +163,7 @@ class StoreClient:
                        lease_ms: int = 0, writer_keeps_copy: bool = False, hold_ms: int = 0) -> Allocation:
         """writer_keeps_copy: these blocks stay in our own cache too; hold_ms > 0: a handoff, the
         store holds the blocks for their reader (see AllocatePutRequest)."""
-        resp = await self._control.call("allocate_put", pb.AllocatePutRequest(
+        resp = await self._control.call("allocate_put", dict(
             profile=self.profile_pb, block_hashes=hashes, tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms), self.timeout_s)
         return Allocation(resp.lease_id, slots_from_pb(resp.slots), resp.hold_lease_id)
@@ -177,8 +177,8 @@ class StoreClient:
         return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
 
     async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
-        return await self._control.call("commit_put", pb.CommitPutRequest(lease_id=lease_id, keys=keys,
-                                                                          tail_ttl_ms=tail_ttl_ms), self.timeout_s)
+        return await self._control.call("commit_put", dict(lease_id=lease_id, keys=keys, tail_ttl_ms=tail_ttl_ms),
+                                        self.timeout_s)
 
     async def put(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0,
@@ -216,7 +216,7 @@ class StoreClient:
     async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                   lease_ms: int = 0) -> Pinned:
         """Pin the longest stored prefix under a lease (release it, or it lapses)."""
-        resp = await self._control.call("get", pb.GetRequest(
+        resp = await self._control.call("get", dict(
             profile=self.profile_pb, block_hashes=hashes, tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id), self.timeout_s)
         tail = slot_from_pb(resp.tail) if resp.HasField("tail") else None
@@ -239,10 +239,10 @@ class StoreClient:
         return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
 
     async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
-        return await self._control.call("release_lease", pb.ReleaseLeaseRequest(lease_id=lease_id), self.timeout_s)
+        return await self._control.call("release_lease", dict(lease_id=lease_id), self.timeout_s)
 
     async def renew(self, lease_id: str, lease_ms: int = 0) -> None:
-        await self._control.call("renew_lease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms),
+        await self._control.call("renew_lease", dict(lease_id=lease_id, lease_ms=lease_ms),
                                  self.timeout_s)
 
     def keep_alive(self, lease_id: str, lease_ms: int) -> asyncio.Task:

@@ -32,9 +32,10 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
     return pb.Slot(key=ref.key, address=ref.address, tier=_TIER[ref.tier], state=_STATE[ref.state])
 
 
-def _slots_pb(slots: Slots) -> pb.SlotList:
-    return pb.SlotList(addresses=slots.addresses, tiers=_column(slots.tiers, _TIER),
-                       states=_column(slots.states, _STATE))
+def _slots_fields(slots: Slots) -> dict:
+    """A SlotList's fields (a message is built once, where it goes: building one and then
+    placing it in another copies it, ~20 µs for 1,024 slots)."""
+    return {"addresses": slots.addresses, "tiers": _column(slots.tiers, _TIER), "states": _column(slots.states, _STATE)}
 
 
 def _column(values: list, codes: dict) -> bytes:
@@ -77,35 +78,35 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
             control_port=self.control_port)
 
-    # -- control calls: served alike as unary RPCs and on the control socket --------------
-    def allocate_put(self, request: pb.AllocatePutRequest) -> pb.AllocatePutResponse:
+    # -- control calls: served alike as unary RPCs and on the control socket; each returns
+    # its response's fields, made into the message where it goes (alone, or in a ControlResponse).
+    def allocate_put(self, request: pb.AllocatePutRequest) -> dict:
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id,
                                               request.writer_keeps_copy, request.hold_ms)
-        return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
-                                      lease_deadline_unix_ms=_unix_ms(lease.deadline), hold_lease_id=lease.hold_id)
+        return {"lease_id": lease.lease_id, "slots": _slots_fields(refs),
+                "lease_deadline_unix_ms": _unix_ms(lease.deadline), "hold_lease_id": lease.hold_id}
 
-    def commit_put(self, request: pb.CommitPutRequest) -> pb.CommitPutResponse:
+    def commit_put(self, request: pb.CommitPutRequest) -> dict:
         keys = list(request.keys) or None
         count, closed = self.store.commit(request.lease_id, keys, request.tail_ttl_ms)
-        return pb.CommitPutResponse(committed=count, lease_closed=closed)
+        return {"committed": count, "lease_closed": closed}
 
-    def get(self, request: pb.GetRequest) -> pb.GetResponse:
+    def get(self, request: pb.GetRequest) -> dict:
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
         if lease is None:
-            return pb.GetResponse()
-        return pb.GetResponse(lease_id=lease.lease_id, slots=_slots_pb(refs),
-                              tail=_slot_pb(tail) if tail else None,
-                              lease_deadline_unix_ms=_unix_ms(lease.deadline))
+            return {}
+        return {"lease_id": lease.lease_id, "slots": _slots_fields(refs), "tail": _slot_pb(tail) if tail else None,
+                "lease_deadline_unix_ms": _unix_ms(lease.deadline)}
 
-    def renew_lease(self, request: pb.RenewLeaseRequest) -> pb.RenewLeaseResponse:
+    def renew_lease(self, request: pb.RenewLeaseRequest) -> dict:
         deadline = self.store.leases.renew(request.lease_id, request.lease_ms)
-        return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
+        return {"lease_deadline_unix_ms": _unix_ms(deadline)}
 
-    def release_lease(self, request: pb.ReleaseLeaseRequest) -> pb.ReleaseLeaseResponse:
+    def release_lease(self, request: pb.ReleaseLeaseRequest) -> dict:
         unpinned, reclaimed = self.store.release(request.lease_id)
-        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=reclaimed)
+        return {"unpinned": unpinned, "reclaimed": reclaimed}
 
     def control(self, request: pb.ControlRequest) -> pb.ControlResponse:
         """One control-socket call: answered with the result, or with the status and message
@@ -124,19 +125,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.ControlResponse(call_id=request.call_id, **{call: result})
 
     async def AllocatePut(self, request, context):
-        return self.allocate_put(request)
+        return pb.AllocatePutResponse(**self.allocate_put(request))
 
     async def CommitPut(self, request, context):
-        return self.commit_put(request)
+        return pb.CommitPutResponse(**self.commit_put(request))
 
     async def Get(self, request, context):
-        return self.get(request)
+        return pb.GetResponse(**self.get(request))
 
     async def RenewLease(self, request, context):
-        return self.renew_lease(request)
+        return pb.RenewLeaseResponse(**self.renew_lease(request))
 
     async def ReleaseLease(self, request, context):
-        return self.release_lease(request)
+        return pb.ReleaseLeaseResponse(**self.release_lease(request))
 
     async def Watch(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
@@ -150,7 +151,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     ready.append(watcher.queue.get_nowait())
                 delivered += len(ready)
                 yield pb.WatchEvent(lease_id=watcher.lease.lease_id, indices=[i for i, _ in ready],
-                                    slots=_slots_pb(Slots.of([ref for _, ref in ready])))
+                                    slots=_slots_fields(Slots.of([ref for _, ref in ready])))
         finally:
             # Complete: the client reads, then releases (or the lease lapses). Cut short: the
             # client is gone or gave up, so nothing it pinned may stay pinned.
