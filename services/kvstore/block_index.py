@@ -59,7 +59,7 @@ def library() -> ctypes.CDLL:
     lib.block_index_prefix.restype = i64
     lib.rows_pin.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
     lib.rows_pin.restype = None
-    lib.rows_unpin.argtypes = [ptr, i64, ptr, ptr]
+    lib.rows_unpin.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.rows_unpin.restype = i64
     lib.rows_commit.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.rows_commit.restype = i64
@@ -71,7 +71,7 @@ def library() -> ctypes.CDLL:
     lib.block_index_update.restype = i64
     lib.block_index_remove.argtypes = [ptr, i64, ptr, ptr, u64]
     lib.block_index_remove.restype = i64
-    lib.block_index_first_repeat.argtypes = [ptr, i64, ptr, ptr, u64, ctypes.c_uint32]
+    lib.block_index_first_repeat.argtypes = [ptr, i64]
     lib.block_index_first_repeat.restype = i64
     return lib
 
@@ -82,7 +82,7 @@ def _places(n: int) -> int:
 
 
 class NativeBlockIndex:
-    """Owns its table (and a scratch one for `first_repeat`); at most `capacity` keys at once."""
+    """Owns its table; at most `capacity` keys at once."""
 
     def __init__(self, capacity: int):
         self._lib = library()
@@ -92,11 +92,9 @@ class NativeBlockIndex:
         self._rows = np.full(places, _NONE, np.int32)
         # The arrays never move: their addresses are taken once (each `.ctypes.data` costs a µs).
         self._table = (self._keys.ctypes.data, self._rows.ctypes.data, self._mask)
-        self._scratch_keys = np.zeros((places, 2), np.uint64)
-        self._scratch_gen = np.zeros(places, np.uint32)
-        self._scratch = (self._scratch_keys.ctypes.data, self._scratch_gen.ctypes.data, self._mask)
-        self._gen = 0
         self._marks = np.zeros(capacity, np.uint8)  # one per row, for `prefix`
+        self._out = np.empty(max(capacity, 1), np.int64)  # answers are written here, then copied out
+        self._buffers = (self._marks.ctypes.data, self._out.ctypes.data)
         self._count = 0
         self.capacity = capacity
 
@@ -105,9 +103,17 @@ class NativeBlockIndex:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         keys = np.ascontiguousarray(keys, np.uint64)
-        out = np.empty(len(keys), np.int64)
-        self._lib.block_index_lookup(keys.ctypes.data, len(keys), *self._table, out.ctypes.data)
-        return out
+        out, out_ptr = self._answer(len(keys))
+        self._lib.block_index_lookup(keys.ctypes.data, len(keys), *self._table, out_ptr)
+        return out[: len(keys)].copy()
+
+    def _answer(self, n: int) -> tuple[np.ndarray, int]:
+        """Where an answer of n rows is written: the index's own buffer (its address taken once),
+        or, for more keys than the index holds, one of its own."""
+        if n <= len(self._out):
+            return self._out, self._buffers[1]
+        out = np.empty(n, np.int64)
+        return out, out.ctypes.data
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
@@ -136,21 +142,17 @@ class NativeBlockIndex:
 
     def first_repeat(self, keys: np.ndarray) -> int:
         keys = np.ascontiguousarray(keys, np.uint64)
-        if len(keys) > self.capacity:  # (the scratch table has room for as many keys as the index)
-            return DictBlockIndex(len(keys)).first_repeat(keys)
-        self._gen = self._gen % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1: when it comes round, the places are cleared
-        if self._gen == 1:
-            self._scratch_gen[:] = 0
-        return self._lib.block_index_first_repeat(keys.ctypes.data, len(keys), *self._scratch, self._gen)
-
-
+        at = self._lib.block_index_first_repeat(keys.ctypes.data, len(keys))
+        if at == -2:
+            raise MemoryError(f"block index: no memory to look for repeats among {len(keys)} keys")
+        return at
 
     def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
         keys = np.ascontiguousarray(keys, np.uint64)
-        out = np.empty(len(keys), np.int64)
+        out, out_ptr = self._answer(len(keys))
         n = self._lib.block_index_prefix(keys.ctypes.data, len(keys), *self._table, committed.ctypes.data,
-                                         self._marks.ctypes.data, out.ctypes.data)
-        return out[:n] if n >= 0 else None
+                                         self._buffers[0], out_ptr)
+        return out[:n].copy() if n >= 0 else None
 
 
 class DictBlockIndex:

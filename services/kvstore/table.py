@@ -68,8 +68,10 @@ class BlockTable:
         # A call's rows are pinned, unpinned and committed in one C loop (csrc/block_rows.c, in
         # the index's library; numpy where that could not be built). The columns never move.
         self._lib = library() if isinstance(self.index, NativeBlockIndex) else None
+        self._freed = np.empty(max(n, 1), np.int64)  # the C loops' answers, copied out
+        self._counts = np.empty(3, np.int64)
         self._columns = {name: getattr(self, name).ctypes.data
-                         for name in ("pins", "committed", "is_tail", "promote", "stamp")}
+                         for name in ("pins", "committed", "is_tail", "promote", "stamp", "_freed", "_counts")}
         nbytes = device.block_nbytes
         self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
             np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
@@ -117,10 +119,10 @@ class BlockTable:
         DRAM row that is no tail is marked for promotion. Returns (rows that left the device
         order, rows that left the DRAM order, rows marked)."""
         if self._lib is not None:
-            rows, out, c = np.ascontiguousarray(block_ids, np.int64), np.empty(3, np.int64), self._columns
+            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
             self._lib.rows_pin(rows.ctypes.data, len(rows), c["pins"], c["stamp"], self.split, c["is_tail"],
-                               c["promote"] if for_read else None, out.ctypes.data)
-            left_device, left_dram, marked = out.tolist()
+                               c["promote"] if for_read else None, c["_counts"])
+            left_device, left_dram, marked = self._counts.tolist()
             return left_device, left_dram, marked
         queued = block_ids[self.stamp[block_ids] != 0]
         self.stamp[queued] = 0
@@ -133,26 +135,28 @@ class BlockTable:
             marked = len(dram)
         return len(queued) - left_dram, left_dram, marked
 
-    def unpin(self, block_ids: np.ndarray) -> np.ndarray:
-        """One pin less on each row; returns the rows left with none, in order."""
+    def unpin(self, block_ids: np.ndarray) -> tuple[np.ndarray, bool]:
+        """One pin less on each row; returns the rows left with none, in order, and whether any
+        of those is a tail, uncommitted or marked for promotion (else all go back to an order)."""
         if self._lib is not None:
-            rows, freed = np.ascontiguousarray(block_ids, np.int64), np.empty(len(block_ids), np.int64)
-            m = self._lib.rows_unpin(rows.ctypes.data, len(rows), self._columns["pins"], freed.ctypes.data)
+            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
+            m = self._lib.rows_unpin(rows.ctypes.data, len(rows), c["pins"], c["is_tail"], c["committed"],
+                                     c["promote"], c["_freed"], c["_counts"])
             if m < 0:
                 raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.keys[rows[-m - 1]]!r})")
-            return freed[:m]
+            return self._freed[:m].copy(), bool(self._counts.any())
         if len(block_ids) and self.pins[block_ids].min() <= 0:
             raise AssertionError(f"unpinned below zero: {block_ids[self.pins[block_ids] <= 0].tolist()}")
         self.pins[block_ids] -= 1
-        return block_ids[self.pins[block_ids] == 0]
+        freed = block_ids[self.pins[block_ids] == 0]
+        return freed, bool((self.is_tail[freed] | ~self.committed[freed] | self.promote[freed]).any())
 
     def commit(self, block_ids: np.ndarray) -> np.ndarray:
         """Committed, and the writer's pin let go; returns the rows left with no pin, in order."""
         if self._lib is not None:
-            rows, freed = np.ascontiguousarray(block_ids, np.int64), np.empty(len(block_ids), np.int64)
-            m = self._lib.rows_commit(rows.ctypes.data, len(rows), self._columns["committed"], self._columns["pins"],
-                                      freed.ctypes.data)
-            return freed[:m]
+            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
+            m = self._lib.rows_commit(rows.ctypes.data, len(rows), c["committed"], c["pins"], c["_freed"])
+            return self._freed[:m].copy()
         self.committed[block_ids] = True
         self.pins[block_ids] -= 1
         return block_ids[self.pins[block_ids] == 0]

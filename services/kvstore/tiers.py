@@ -68,7 +68,10 @@ class TieredBlocks:
         """One pin less each; a block no longer pinned is evictable again (at the recent end), a
         tail goes, and a DRAM hit is promoted."""
         t = self.table
-        free = t.unpin(block_ids)
+        free, special = t.unpin(block_ids)
+        if not special:  # the common case: committed blocks back to their orders
+            self._requeue(free)
+            return
         tails = t.is_tail[free]
         if tails.any():
             self.drop(free[tails])  # a tail's TTL pin is gone and so is its last reader

@@ -3,6 +3,7 @@
 // A table of cap = mask + 1 places: keys [cap][2] u64, rows [cap] i32 (-1: empty). Keys are
 // mixed before use, so keys that are not random (tests, crafted input) do not cluster.
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline uint64_t mix(uint64_t a, uint64_t b) {
     uint64_t x = a ^ (b * 0x9E3779B97F4A7C15ULL);
@@ -61,21 +62,29 @@ int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n,
     return missing;
 }
 
-// The index of the first key equal to an earlier one of keys, or -1. Scratch: a table of its
-// own whose places count as empty unless their generation is `gen` (a new one per call: never
-// cleared), with at least twice n places.
-int64_t block_index_first_repeat(const uint64_t* keys, int64_t n, uint64_t* sk, uint32_t* sgen, uint64_t mask,
-                                 uint32_t gen) {
-    for (int64_t i = 0; i < n; i++) {
+// The index of the first key equal to an earlier one of keys, or -1 (-2: out of memory). Uses
+// a table of its own, at least twice n places, made and freed here (small, so cache-resident).
+int64_t block_index_first_repeat(const uint64_t* keys, int64_t n) {
+    uint64_t places = 16;
+    while (places < 2 * (uint64_t)n) places <<= 1;
+    uint64_t mask = places - 1;
+    uint64_t* sk = malloc(places * 2 * sizeof(uint64_t));
+    uint8_t* used = calloc(places, 1);
+    int64_t repeat = -1;
+    if (!sk || !used) { repeat = -2; goto done; }
+    for (int64_t i = 0; i < n && repeat < 0; i++) {
         uint64_t a = keys[2 * i], b = keys[2 * i + 1];
         uint64_t p = mix(a, b) & mask;
         for (;;) {
-            if (sgen[p] != gen) { sk[2 * p] = a; sk[2 * p + 1] = b; sgen[p] = gen; break; }
-            if (sk[2 * p] == a && sk[2 * p + 1] == b) return i;
+            if (!used[p]) { sk[2 * p] = a; sk[2 * p + 1] = b; used[p] = 1; break; }
+            if (sk[2 * p] == a && sk[2 * p + 1] == b) { repeat = i; break; }
             p = (p + 1) & mask;
         }
     }
-    return -1;
+done:
+    free(sk);
+    free(used);
+    return repeat;
 }
 
 // Remove keys; returns how many were not present.

@@ -21,13 +21,21 @@ void rows_pin(const int64_t* rows, int64_t n, int32_t* pins, int64_t* stamp, int
 }
 
 // One pin less on each row; the rows left with none go to freed, in order. Returns how many,
-// or -(i + 1) when row i had no pin (nothing changed from it on).
-int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, int64_t* freed) {
+// or -(i + 1) when row i had no pin (nothing changed from it on). flags: among the freed, how
+// many are tails, uncommitted, and marked for promotion (the caller's slow cases).
+int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, const uint8_t* is_tail,
+                   const uint8_t* committed, const uint8_t* promote, int64_t* freed, int64_t* flags) {
     int64_t m = 0;
+    flags[0] = flags[1] = flags[2] = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         if (pins[r] <= 0) return -(i + 1);
-        if (--pins[r] == 0) freed[m++] = r;
+        if (--pins[r] == 0) {
+            freed[m++] = r;
+            flags[0] += is_tail[r];
+            flags[1] += !committed[r];
+            flags[2] += promote[r];
+        }
     }
     return m;
 }
