@@ -59,7 +59,7 @@ class SlotColumns(Sequence[SlotInfo]):
     without a tuple per block (the transfer paths use the columns); indexing or iterating gives
     `SlotInfo`s, slicing gives columns."""
 
-    addresses: list[int]
+    addresses: Sequence[int]  # the answer's own repeated field (copying 1,024 into a list: 45 µs)
     tiers: bytes  # pb.Tier values, one byte each
     states: bytes  # pb.SlotState values, one byte each
 
@@ -85,7 +85,7 @@ def slots_from_pb(m: pb.SlotList) -> SlotColumns:
     if not len(m.addresses) == len(m.tiers) == len(m.states):
         raise ValueError(f"malformed slot list from the store: {len(m.addresses)} addresses, {len(m.tiers)} "
                          f"tiers, {len(m.states)} states")
-    return SlotColumns(list(m.addresses), m.tiers, m.states)
+    return SlotColumns(m.addresses, m.tiers, m.states)
 
 
 def slot_from_pb(m: pb.Slot) -> SlotInfo:
