@@ -5,7 +5,8 @@ in the same run. Store put = AllocatePut + transfer-engine write + CommitPut; st
 Get + transfer-engine read (the reader sends ReleaseLease without waiting for it; that call is
 timed on its own); raw = one transfer-engine slice, no control plane, timed both with the
 engine's own sync call (which spins until done) and submitted then polled as the store's client
-does; the targets are against the faster of the two.
+does; the targets are against the faster of the two. Each size runs in a store of its own with
+room for what it writes; the full-store rows time an allocate that evicts.
 """
 
 from __future__ import annotations
