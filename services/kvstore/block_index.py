@@ -63,6 +63,8 @@ def library() -> ctypes.CDLL:
     lib.rows_unpin.restype = i64
     lib.rows_commit.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.rows_commit.restype = i64
+    lib.rows_queue.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr]
+    lib.rows_queue.restype = i64
     lib.block_index_lookup.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
     lib.block_index_lookup.restype = None
     lib.block_index_insert.argtypes = [ptr, ptr, i64, ptr, ptr, u64]

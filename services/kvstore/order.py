@@ -53,6 +53,17 @@ class EvictionOrder:
             stamp[moved] = 0
             self._queue(1, moved)
 
+    def append(self, q: int, block_ids: np.ndarray, first_stamp: int) -> None:
+        """Blocks the table has just stamped (BlockTable.queue), from first_stamp on, at the
+        recent end of queue q (0: the copies, 1: the rest)."""
+        if not len(block_ids):
+            return
+        self._queues[q].append((block_ids, np.arange(first_stamp, first_stamp + len(block_ids), dtype=np.int64)))
+        self._queued += len(block_ids)
+        self._live += len(block_ids)
+        if self._queued > 2 * self._live + SHED_AFTER:  # mostly dead: keep the live only
+            self._compact()
+
     def left(self, n: int) -> None:
         """n of its blocks left it, their stamps cleared by the table (BlockTable.pin)."""
         self._live -= n
@@ -114,11 +125,7 @@ class EvictionOrder:
     def _queue(self, q: int, block_ids: np.ndarray) -> None:
         stamps = self._table.take_stamps(len(block_ids))
         self._table.stamp[block_ids] = stamps
-        self._queues[q].append((block_ids, stamps))
-        self._queued += len(block_ids)
-        self._live += len(block_ids)
-        if self._queued > 2 * self._live + SHED_AFTER:  # mostly dead: keep the live only
-            self._compact()
+        self.append(q, block_ids, int(stamps[0]) if len(stamps) else 0)
 
     def _compact(self) -> None:
         stamp = self._table.stamp

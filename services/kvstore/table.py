@@ -69,9 +69,9 @@ class BlockTable:
         # the index's library; numpy where that could not be built). The columns never move.
         self._lib = library() if isinstance(self.index, NativeBlockIndex) else None
         self._freed = np.empty(max(n, 1), np.int64)  # the C loops' answers, copied out
-        self._counts = np.empty(3, np.int64)
-        self._columns = {name: getattr(self, name).ctypes.data
-                         for name in ("pins", "committed", "is_tail", "promote", "stamp", "_freed", "_counts")}
+        self._counts, self._counts4 = np.empty(3, np.int64), np.empty(4, np.int64)
+        self._columns = {name: getattr(self, name).ctypes.data for name in (
+            "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_counts", "_counts4")}
         nbytes = device.block_nbytes
         self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
             np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
@@ -160,6 +160,26 @@ class BlockTable:
         self.committed[block_ids] = True
         self.pins[block_ids] -= 1
         return block_ids[self.pins[block_ids] == 0]
+
+    def queue(self, block_ids: np.ndarray) -> tuple[list[np.ndarray], int]:
+        """Stamp the rows that are in no eviction order, for the recent end of theirs. Returns
+        them by group, in order (device copies, the device's others, DRAM copies, DRAM's
+        others; a copy: a block its writer keeps), stamped group after group from the second
+        value returned on."""
+        first = self._stamps + 1
+        if self._lib is not None:
+            rows, n = np.ascontiguousarray(block_ids, np.int64), len(block_ids)
+            out = np.empty(4 * n, np.int64)
+            queued = self._lib.rows_queue(rows.ctypes.data, n, self._columns["stamp"], self._columns["duplicate"],
+                                          self.split, first, out.ctypes.data, self._columns["_counts4"])
+            self._stamps += queued
+            counts = self._counts4.tolist()
+            return [out[g * n : g * n + counts[g]] for g in range(4)], first
+        fresh = block_ids[self.stamp[block_ids] == 0]
+        in_dram, copy = fresh >= self.split, self.duplicate[fresh]
+        groups = [fresh[~in_dram & copy], fresh[~in_dram & ~copy], fresh[in_dram & copy], fresh[in_dram & ~copy]]
+        self.stamp[np.concatenate(groups)] = self.take_stamps(len(fresh))
+        return groups, first
 
     def add(self, keys: list[bytes], packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
             tail_key: bytes | None = None) -> None:

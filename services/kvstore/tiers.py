@@ -25,6 +25,8 @@ from services.kvstore.memory import TierMemory, copy_slot, copy_slots
 from services.kvstore.order import EvictionOrder
 from services.kvstore.table import BlockTable
 
+_GROUPS = ((DEVICE, 0), (DEVICE, 1), (DRAM, 0), (DRAM, 1))  # BlockTable.queue's: (tier, its order's queue)
+
 
 class TieredBlocks:
     """Owns the block table, each tier's eviction order, slot allocation and the copies between
@@ -86,8 +88,12 @@ class TieredBlocks:
         self._requeue(free[start:])
 
     def _requeue(self, block_ids: np.ndarray) -> None:
-        for tier, part in self._by_tier(block_ids):
-            self.evictable[tier].add(part)
+        """Back in their tiers' orders (at the recent end), those in none."""
+        groups, stamp = self.table.queue(block_ids)
+        for (tier, q), part in zip(_GROUPS, groups, strict=True):
+            if len(part):
+                self.evictable[tier].append(q, part.copy(), stamp)
+                stamp += len(part)
 
     def commit(self, block_ids: np.ndarray) -> None:
         """Committed now (not tails): the writer's pin goes, and with it, for most, the last pin."""

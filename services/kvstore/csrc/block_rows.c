@@ -51,3 +51,22 @@ int64_t rows_commit(const int64_t* rows, int64_t n, uint8_t* committed, int32_t*
     }
     return m;
 }
+
+// Queue the rows that are in no eviction order (stamp 0) at the recent end of theirs, in order:
+// by group (0: device copies, 1: the device's other blocks, 2: DRAM copies, 3: DRAM's other
+// blocks; a copy is a block its writer keeps), each group's rows into out[g * n ...], counts[g]
+// of them, stamped first_stamp on, group after group. Returns how many were queued.
+int64_t rows_queue(const int64_t* rows, int64_t n, int64_t* stamp, const uint8_t* duplicate, int64_t split,
+                   int64_t first_stamp, int64_t* out, int64_t* counts) {
+    counts[0] = counts[1] = counts[2] = counts[3] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (stamp[r]) continue;
+        int g = (r >= split) * 2 + (duplicate[r] ? 0 : 1);
+        out[g * n + counts[g]++] = r;
+    }
+    int64_t s = first_stamp;
+    for (int g = 0; g < 4; g++)
+        for (int64_t k = 0; k < counts[g]; k++) stamp[out[g * n + k]] = s++;
+    return s - first_stamp;
+}
