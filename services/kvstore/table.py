@@ -13,12 +13,12 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.errors import InvalidArgument
+from pdserve.kv.hashing import HASH_BYTES
 from services.kvstore.block_index import NativeBlockIndex, library, make_index
 from services.kvstore.entries import DEVICE, DRAM
 from services.kvstore.memory import TierMemory
 
 NO_BLOCK = -1
-HASH_BYTES = 16
 
 
 def pack(hashes: list[bytes]) -> np.ndarray:
