@@ -65,6 +65,10 @@ def library() -> ctypes.CDLL:
     lib.rows_commit.restype = i64
     lib.rows_queue.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.rows_queue.restype = i64
+    lib.rows_commit_queue.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.rows_commit_queue.restype = i64
+    lib.rows_unpin_queue.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.rows_unpin_queue.restype = i64
     lib.block_index_lookup.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
     lib.block_index_lookup.restype = None
     lib.block_index_insert.argtypes = [ptr, ptr, i64, ptr, ptr, u64]

@@ -56,7 +56,7 @@ class Lease:
     request_id: str
     pinned: list[int] = field(default_factory=list)  # read: the block ids it pins; write: those still uncommitted
     named: list[bytes] = field(default_factory=list)  # write: every key the put named, the tail last
-    tail_key: bytes | None = None  # write: the put's tail, if any
+    tail_key: bytes | None = None  # write: the put's tail, if any; read: the tail it pins, if any
     all_keys: set[bytes] | None = None  # write: `named` as a set, made when a commit names keys
     watching: bool = False  # a live Watch stream keeps it from lapsing
     hold_id: str = ""  # write: the hold on this put's blocks, if any

@@ -160,12 +160,11 @@ class BlockStore:
             mine = set(lease.pinned)
             wanted = list(dict.fromkeys(i for i in rows_named if i in mine))
         rows = np.array(wanted, np.int64)
-        tails = t.is_tail[rows]
-        if tails.any():  # a put's one tail: the writer's pin becomes the TTL pin
-            [tail] = rows[tails].tolist()
-            rows = rows[~tails]
+        tail = t.tails.get(lease.tail_key, NO_BLOCK) if lease.tail_key is not None else NO_BLOCK
+        if tail != NO_BLOCK and tail in wanted:  # the writer's pin becomes the TTL pin
+            rows = rows[rows != tail]
             t.committed[tail] = True
-            self.held_tails[t.keys[tail]] = self.clock() + self.leases.seconds(tail_ttl_ms)
+            self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
         if len(rows):
             self.blocks.commit(rows)
             self.index.committed(list(map(t.keys.__getitem__, rows.tolist())), t.tiers_of(rows))
@@ -208,6 +207,7 @@ class BlockStore:
         if tail == NO_BLOCK:
             return lease, slots, None
         self._pin_for_read(lease, np.array([tail], np.int64), [tail])
+        lease.tail_key = tail_key  # (a read lease: the tail it pins, consumed at release)
         return lease, slots, self.blocks.slot_ref(tail)
 
     def _pin_for_read(self, lease: Lease, rows: np.ndarray, row_list: list[int]) -> int:
@@ -248,7 +248,10 @@ class BlockStore:
     def _deliver(self, watcher: Watcher, rows: list[int]) -> None:
         self._pin_for_read(watcher.lease, np.array(rows, np.int64), rows)
         for i in rows:
-            watcher.queue.put_nowait((watcher.wanted.pop(self.table.keys[i]), self.blocks.slot_ref(i)))
+            key = self.table.keys[i]
+            if self.table.tails.get(key) == i:
+                watcher.lease.tail_key = key  # (consumed at release, as a get's)
+            watcher.queue.put_nowait((watcher.wanted.pop(key), self.blocks.slot_ref(i)))
 
     def _notify(self, rows: list[int]) -> None:
         """Newly committed blocks: to each watcher waiting on them, in one delivery."""
@@ -290,9 +293,8 @@ class BlockStore:
         if lease.kind == "write":
             self.blocks.drop(rows)
             return 0, len(rows)
-        for i in rows[t.is_tail[rows]].tolist():
-            if self.held_tails.pop(t.keys[i], None) is not None:
-                t.pins[i] -= 1  # a per-request tail is read once: consumed, it goes
+        if lease.tail_key is not None and self.held_tails.pop(lease.tail_key, None) is not None:
+            t.pins[t.tails[lease.tail_key]] -= 1  # a per-request tail is read once: consumed, it goes
         self.blocks.unpin(rows)
         return len(rows), 0
 

@@ -68,10 +68,11 @@ class BlockTable:
         # A call's rows are pinned, unpinned and committed in one C loop (csrc/block_rows.c, in
         # the index's library; numpy where that could not be built). The columns never move.
         self._lib = library() if isinstance(self.index, NativeBlockIndex) else None
-        self._freed = np.empty(max(n, 1), np.int64)  # the C loops' answers, copied out
-        self._counts, self._counts4 = np.empty(3, np.int64), np.empty(4, np.int64)
+        # The C loops' answers: freed rows, the four groups of `queue` (4 x a call's rows), counts.
+        self._freed, self._groups = np.empty(max(n, 1), np.int64), np.empty(4 * max(n, 1), np.int64)
+        self._counts = np.empty(5, np.int64)
         self._columns = {name: getattr(self, name).ctypes.data for name in (
-            "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_counts", "_counts4")}
+            "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_groups", "_counts")}
         nbytes = device.block_nbytes
         self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
             np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
@@ -122,7 +123,7 @@ class BlockTable:
             rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
             self._lib.rows_pin(rows.ctypes.data, len(rows), c["pins"], c["stamp"], self.split, c["is_tail"],
                                c["promote"] if for_read else None, c["_counts"])
-            left_device, left_dram, marked = self._counts.tolist()
+            left_device, left_dram, marked = self._counts[:3].tolist()
             return left_device, left_dram, marked
         queued = block_ids[self.stamp[block_ids] != 0]
         self.stamp[queued] = 0
@@ -135,51 +136,64 @@ class BlockTable:
             marked = len(dram)
         return len(queued) - left_dram, left_dram, marked
 
-    def unpin(self, block_ids: np.ndarray) -> tuple[np.ndarray, bool]:
-        """One pin less on each row; returns the rows left with none, in order, and whether any
-        of those is a tail, uncommitted or marked for promotion (else all go back to an order)."""
-        if self._lib is not None:
-            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
-            m = self._lib.rows_unpin(rows.ctypes.data, len(rows), c["pins"], c["is_tail"], c["committed"],
-                                     c["promote"], c["_freed"], c["_counts"])
-            if m < 0:
-                raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.keys[rows[-m - 1]]!r})")
-            return self._freed[:m].copy(), bool(self._counts.any())
-        if len(block_ids) and self.pins[block_ids].min() <= 0:
-            raise AssertionError(f"unpinned below zero: {block_ids[self.pins[block_ids] <= 0].tolist()}")
-        self.pins[block_ids] -= 1
-        freed = block_ids[self.pins[block_ids] == 0]
-        return freed, bool((self.is_tail[freed] | ~self.committed[freed] | self.promote[freed]).any())
+    def commit_and_queue(self, block_ids: np.ndarray) -> tuple[list[np.ndarray], int]:
+        """Committed, and the writer's pin let go; the rows left with no pin are stamped for the
+        recent end of their eviction orders and returned as `queue` returns them."""
+        if self._lib is None:
+            self.committed[block_ids] = True
+            self.pins[block_ids] -= 1
+            return self.queue(block_ids[self.pins[block_ids] == 0])
+        rows, n, c, first = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns, self._stamps + 1
+        queued = self._lib.rows_commit_queue(rows.ctypes.data, n, c["committed"], c["pins"], c["stamp"],
+                                             c["duplicate"], self.split, first, c["_freed"], c["_groups"], c["_counts"])
+        self._stamps += queued
+        return self._groups_of(queued), first  # (every row freed is queued: a pinned row is in no order)
 
-    def commit(self, block_ids: np.ndarray) -> np.ndarray:
-        """Committed, and the writer's pin let go; returns the rows left with no pin, in order."""
-        if self._lib is not None:
-            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
-            m = self._lib.rows_commit(rows.ctypes.data, len(rows), c["committed"], c["pins"], c["_freed"])
-            return self._freed[:m].copy()
-        self.committed[block_ids] = True
-        self.pins[block_ids] -= 1
-        return block_ids[self.pins[block_ids] == 0]
+    def unpin_and_queue(self, block_ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray] | None, int]:
+        """One pin less on each row. When none of the rows left with no pin is a tail,
+        uncommitted or marked for promotion (a plain release), they are stamped for the recent
+        end of their orders and returned as `queue` returns them (as the 2nd and 3rd values);
+        otherwise nothing is queued and the 1st value is those rows, in order (2nd: None)."""
+        if self._lib is None:
+            if len(block_ids) and self.pins[block_ids].min() <= 0:
+                raise AssertionError(f"unpinned below zero: {block_ids[self.pins[block_ids] <= 0].tolist()}")
+            self.pins[block_ids] -= 1
+            freed = block_ids[self.pins[block_ids] == 0]
+            if (self.is_tail[freed] | ~self.committed[freed] | self.promote[freed]).any():
+                return freed, None, 0
+            return freed, *self.queue(freed)
+        rows, n, c, first = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns, self._stamps + 1
+        m = self._lib.rows_unpin_queue(rows.ctypes.data, n, c["pins"], c["is_tail"], c["committed"], c["promote"],
+                                       c["stamp"], c["duplicate"], self.split, first, c["_freed"], c["_groups"],
+                                       c["_counts"])
+        if m < 0:
+            raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.keys[rows[-m - 1]]!r})")
+        if not self._counts[4]:
+            return self._freed[:m].copy(), None, 0
+        self._stamps += m  # (every row freed is queued: a pinned row is in no order)
+        return self._freed[:m], self._groups_of(m), first
 
     def queue(self, block_ids: np.ndarray) -> tuple[list[np.ndarray], int]:
         """Stamp the rows that are in no eviction order, for the recent end of theirs. Returns
         them by group, in order (device copies, the device's others, DRAM copies, DRAM's
         others; a copy: a block its writer keeps), stamped group after group from the second
-        value returned on."""
+        value returned on. (The groups may be the table's buffer: copy what is kept.)"""
         first = self._stamps + 1
         if self._lib is not None:
-            rows, n = np.ascontiguousarray(block_ids, np.int64), len(block_ids)
-            out = np.empty(4 * n, np.int64)
-            queued = self._lib.rows_queue(rows.ctypes.data, n, self._columns["stamp"], self._columns["duplicate"],
-                                          self.split, first, out.ctypes.data, self._columns["_counts4"])
-            self._stamps += queued
-            counts = self._counts4.tolist()
-            return [out[g * n : g * n + counts[g]] for g in range(4)], first
+            rows, n, c = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns
+            self._stamps += self._lib.rows_queue(rows.ctypes.data, n, c["stamp"], c["duplicate"], self.split, first,
+                                                 c["_groups"], c["_counts"])
+            return self._groups_of(n), first
         fresh = block_ids[self.stamp[block_ids] == 0]
         in_dram, copy = fresh >= self.split, self.duplicate[fresh]
         groups = [fresh[~in_dram & copy], fresh[~in_dram & ~copy], fresh[in_dram & copy], fresh[in_dram & ~copy]]
         self.stamp[np.concatenate(groups)] = self.take_stamps(len(fresh))
         return groups, first
+
+    def _groups_of(self, n: int) -> list[np.ndarray]:
+        """The four groups the last C loop wrote, n places apart."""
+        counts = self._counts[:4].tolist()
+        return [self._groups[g * n : g * n + counts[g]] for g in range(4)]
 
     def add(self, keys: list[bytes], packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
             tail_key: bytes | None = None) -> None:

@@ -70,9 +70,9 @@ class TieredBlocks:
         """One pin less each; a block no longer pinned is evictable again (at the recent end), a
         tail goes, and a DRAM hit is promoted."""
         t = self.table
-        free, special = t.unpin(block_ids)
-        if not special:  # the common case: committed blocks back to their orders
-            self._requeue(free)
+        free, groups, stamp = t.unpin_and_queue(block_ids)
+        if groups is not None:  # the common case: committed blocks back to their orders
+            self._append(groups, stamp)
             return
         tails = t.is_tail[free]
         if tails.any():
@@ -89,7 +89,10 @@ class TieredBlocks:
 
     def _requeue(self, block_ids: np.ndarray) -> None:
         """Back in their tiers' orders (at the recent end), those in none."""
-        groups, stamp = self.table.queue(block_ids)
+        self._append(*self.table.queue(block_ids))
+
+    def _append(self, groups: list[np.ndarray], stamp: int) -> None:
+        """Blocks the table stamped from `stamp` on, group by group (BlockTable.queue), into their orders."""
         for (tier, q), part in zip(_GROUPS, groups, strict=True):
             if len(part):
                 self.evictable[tier].append(q, part.copy(), stamp)
@@ -97,7 +100,7 @@ class TieredBlocks:
 
     def commit(self, block_ids: np.ndarray) -> None:
         """Committed now (not tails): the writer's pin goes, and with it, for most, the last pin."""
-        self._requeue(self.table.commit(block_ids))
+        self._append(*self.table.commit_and_queue(block_ids))
 
     def keep(self, block_ids: np.ndarray) -> None:
         """Most recently used, and no longer copies their writer keeps (the writer let them go)."""

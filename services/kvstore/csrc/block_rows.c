@@ -70,3 +70,29 @@ int64_t rows_queue(const int64_t* rows, int64_t n, int64_t* stamp, const uint8_t
         for (int64_t k = 0; k < counts[g]; k++) stamp[out[g * n + k]] = s++;
     return s - first_stamp;
 }
+
+// rows_commit, then rows_queue of the rows it freed (out: 4 * n places). Returns how many were
+// queued.
+int64_t rows_commit_queue(const int64_t* rows, int64_t n, uint8_t* committed, int32_t* pins, int64_t* stamp,
+                          const uint8_t* duplicate, int64_t split, int64_t first_stamp, int64_t* freed,
+                          int64_t* out, int64_t* counts) {
+    int64_t m = rows_commit(rows, n, committed, pins, freed);
+    return rows_queue(freed, m, stamp, duplicate, split, first_stamp, out, counts);
+}
+
+// rows_unpin, then, when none of the rows it freed is a tail, uncommitted or marked for
+// promotion (the common release), rows_queue of them (out: 4 * n places; counts[4] = 1).
+// Otherwise nothing is queued (counts[4] = 0) and the caller takes the freed rows from there.
+// Returns rows_unpin's answer.
+int64_t rows_unpin_queue(const int64_t* rows, int64_t n, int32_t* pins, const uint8_t* is_tail,
+                         const uint8_t* committed, const uint8_t* promote, int64_t* stamp,
+                         const uint8_t* duplicate, int64_t split, int64_t first_stamp, int64_t* freed,
+                         int64_t* out, int64_t* counts) {
+    int64_t flags[3];
+    int64_t m = rows_unpin(rows, n, pins, is_tail, committed, promote, freed, flags);
+    counts[4] = 0;
+    if (m < 0 || flags[0] || flags[1] || flags[2]) return m;
+    rows_queue(freed, m, stamp, duplicate, split, first_stamp, out, counts);
+    counts[4] = 1;
+    return m;
+}
