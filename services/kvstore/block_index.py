@@ -59,10 +59,6 @@ def library() -> ctypes.CDLL:
     lib.block_index_prefix.restype = i64
     lib.rows_pin.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
     lib.rows_pin.restype = None
-    lib.rows_unpin.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.rows_unpin.restype = i64
-    lib.rows_commit.argtypes = [ptr, i64, ptr, ptr, ptr]
-    lib.rows_commit.restype = i64
     lib.rows_queue.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.rows_queue.restype = i64
     lib.rows_commit_queue.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]

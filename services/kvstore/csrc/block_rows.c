@@ -23,8 +23,8 @@ void rows_pin(const int64_t* rows, int64_t n, int32_t* pins, int64_t* stamp, int
 // One pin less on each row; the rows left with none go to freed, in order. Returns how many,
 // or -(i + 1) when row i had no pin (nothing changed from it on). flags: among the freed, how
 // many are tails, uncommitted, and marked for promotion (the caller's slow cases).
-int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, const uint8_t* is_tail,
-                   const uint8_t* committed, const uint8_t* promote, int64_t* freed, int64_t* flags) {
+static int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, const uint8_t* is_tail,
+                          const uint8_t* committed, const uint8_t* promote, int64_t* freed, int64_t* flags) {
     int64_t m = 0;
     flags[0] = flags[1] = flags[2] = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -42,7 +42,7 @@ int64_t rows_unpin(const int64_t* rows, int64_t n, int32_t* pins, const uint8_t*
 
 // Committed, and the writer's pin let go; the rows left with no pin go to freed, in order.
 // Returns how many.
-int64_t rows_commit(const int64_t* rows, int64_t n, uint8_t* committed, int32_t* pins, int64_t* freed) {
+static int64_t rows_commit(const int64_t* rows, int64_t n, uint8_t* committed, int32_t* pins, int64_t* freed) {
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
