@@ -18,8 +18,8 @@ class EvictionOrder:
     recently used first.
 
     Two append-only queues of chunks with lazy deletion: adding or touching blocks appends them
-    as one chunk with fresh stamps (written to the table's stamp column), discarding clears the
-    stamp, and a queued item counts while its row still bears its stamp. So a call's thousand
+    as one chunk with fresh stamps (the table's stamp column, set by BlockTable.queue),
+    discarding clears the stamp, and a queued item counts while its row still bears its stamp. So a call's thousand
     blocks are one chunk, and dead items are shed as the head is popped, or all at once when
     they outnumber the live. Owns the queues; the stamps are the table's column."""
 
@@ -33,16 +33,13 @@ class EvictionOrder:
         return self._live
 
     def add(self, block_ids: np.ndarray) -> None:
-        """Queue blocks at the recent end of their queue; one already queued keeps its place.
-        `block_ids` must not repeat."""
-        fresh = block_ids[self._table.stamp[block_ids] == 0]
-        if not len(fresh):
-            return
-        copy = self._table.duplicate[fresh]
-        if copy.any():
-            self._queue(0, fresh[copy])
-            fresh = fresh[~copy]
-        self._queue(1, fresh)
+        """Queue blocks (all of this order's tier) at the recent end of their queue; one already
+        queued keeps its place. `block_ids` must not repeat."""
+        groups, stamp = self._table.queue(block_ids)  # (the other tier's two groups are empty)
+        for q, part in zip((0, 1, 0, 1), groups, strict=True):
+            if len(part):
+                self.append(q, part.copy(), stamp)
+                stamp += len(part)
 
     def touch(self, block_ids: np.ndarray) -> None:
         """Most recently used now, those queued (a copy keeps its place among the copies)."""
@@ -51,7 +48,7 @@ class EvictionOrder:
         if len(moved):
             self._live -= len(moved)
             stamp[moved] = 0
-            self._queue(1, moved)
+            self.add(moved)
 
     def append(self, q: int, block_ids: np.ndarray, first_stamp: int) -> None:
         """Blocks the table has just stamped (BlockTable.queue), from first_stamp on, at the
@@ -121,11 +118,6 @@ class EvictionOrder:
                     self._queued -= cut
                     need = 0
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
-
-    def _queue(self, q: int, block_ids: np.ndarray) -> None:
-        stamps = self._table.take_stamps(len(block_ids))
-        self._table.stamp[block_ids] = stamps
-        self.append(q, block_ids, int(stamps[0]) if len(stamps) else 0)
 
     def _compact(self) -> None:
         stamp = self._table.stamp

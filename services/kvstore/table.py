@@ -64,6 +64,8 @@ class BlockTable:
         self.is_tail = np.zeros(n, np.bool_)
         self.promote = np.zeros(n, np.bool_)  # a DRAM hit: promoted when its last reader lets go
         self.stamp = np.zeros(n, np.int64)  # its item in its tier's EvictionOrder; 0: in none
+        # The last eviction-order stamp given: one sequence for both tiers' orders, so an item
+        # left behind by a block that moved or went never matches its row again.
         self._stamps = 0
         # A call's rows are pinned, unpinned and committed in one C loop (csrc/block_rows.c, in
         # the index's library; numpy where that could not be built). The columns never move.
@@ -107,13 +109,6 @@ class BlockTable:
         if not len(block_ids) or block_ids.max() < self.split:
             return [DEVICE] * len(block_ids)
         return [DEVICE if i < self.split else DRAM for i in block_ids.tolist()]
-
-    def take_stamps(self, n: int) -> np.ndarray:
-        """n fresh eviction-order stamps, increasing (one sequence for both tiers' orders, so an
-        item left behind by a block that moved or went never matches its row again)."""
-        first = self._stamps + 1
-        self._stamps += n
-        return np.arange(first, first + n, dtype=np.int64)
 
     def pin(self, block_ids: np.ndarray, for_read: bool) -> tuple[int, int, int]:
         """One more pin on each row; a row queued in an eviction order leaves it. for_read: a
@@ -187,7 +182,8 @@ class BlockTable:
         fresh = block_ids[self.stamp[block_ids] == 0]
         in_dram, copy = fresh >= self.split, self.duplicate[fresh]
         groups = [fresh[~in_dram & copy], fresh[~in_dram & ~copy], fresh[in_dram & copy], fresh[in_dram & ~copy]]
-        self.stamp[np.concatenate(groups)] = self.take_stamps(len(fresh))
+        self.stamp[np.concatenate(groups)] = np.arange(first, first + len(fresh), dtype=np.int64)
+        self._stamps += len(fresh)
         return groups, first
 
     def _groups_of(self, n: int) -> list[np.ndarray]:
