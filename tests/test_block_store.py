@@ -4,6 +4,7 @@ cover the same calls end to end; these pin down exact slots and counts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdserve.errors import InvalidArgument, NotFound
@@ -41,8 +42,8 @@ def _h(i: int) -> bytes:
     return bytes([i]) * 16
 
 
-def _keys(store: BlockStore, block_ids: list[int]) -> list[bytes]:
-    return [store.table.keys[i] for i in block_ids]
+def _keys(store: BlockStore, block_ids) -> list[bytes | None]:
+    return [store.table.key(i) for i in np.asarray(block_ids, np.int64).tolist()]
 
 
 def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
@@ -50,11 +51,11 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
     dev, dram = store.tiers[DEVICE].base_address, store.tiers[DRAM].base_address
     hashes = [_h(i) for i in range(6)]
     lease, slots = store.allocate_put(hashes, None, 0, "r1")
-    assert slots.keys == hashes
-    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram, dram + 8]
+    assert _keys(store, slots.rows) == hashes
+    assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24, dram, dram + 8]
     assert slots.tiers == [DEVICE] * 4 + [DRAM] * 2
-    assert slots.states == [SlotState.WRITE] * 6
-    assert slots[5] == (hashes[5], dram + 8, DRAM, SlotState.WRITE)
+    assert slots.states.tolist() == [SlotState.WRITE] * 6
+    assert store.blocks.slot_ref(int(slots.rows[5]), SlotState.WRITE) == (hashes[5], 5, dram + 8, DRAM, SlotState.WRITE)
     assert [(store.block(h).pins, store.block(h).committed) for h in hashes] == [(1, False)] * 6
     assert _keys(store, lease.pinned) == hashes
 
@@ -78,9 +79,9 @@ def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
     first, _ = store.allocate_put([_h(1), _h(2)], None, 0, "r1")
     store.commit(first.lease_id, [_h(1)])  # 1 committed, 2 still being written by r1
     lease, slots = store.allocate_put([_h(1), _h(2), _h(3)], b"tail:r2", 0, "r2", hold_ms=1000)
-    assert slots.keys == [_h(1), _h(2), _h(3), b"tail:r2"]
-    assert slots.states == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
-    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24]
+    assert _keys(store, slots.rows) == [_h(1), _h(2), _h(3), b"tail:r2"]
+    assert slots.states.tolist() == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
+    assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24]
     assert store.block(b"tail:r2").is_tail and not store.block(_h(3)).is_tail
     hold = store.leases.get(lease.hold_id)
     assert _keys(store, hold.held) == [_h(1), _h(3)]  # not r1's block still being written
@@ -103,9 +104,9 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     index.events.clear()
     lease, slots, tail = store.get([*hashes, _h(9)], None, 0, "r")
     assert tail is None
-    assert slots.keys == hashes[:5]
-    assert slots.addresses == [dev, dev + 8, dev + 16, dev + 24, dram]
-    assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states == [SlotState.PRESENT] * 5
+    assert _keys(store, slots.rows) == hashes[:5]
+    assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24, dram]
+    assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states.tolist() == [SlotState.PRESENT] * 5
     assert _keys(store, lease.pinned) == hashes[:5]
     assert [store.block(h).pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
     assert [store.block(h).promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
@@ -136,17 +137,17 @@ def test_a_get_answers_the_blocks_the_store_holds_now_wherever_their_puts_left_t
     a, _ = store.allocate_put([_h(0), _h(1), _h(2)], None, 0, "a")
     store.commit(a.lease_id, [_h(0), _h(1)])
     assert store.release(a.lease_id) == (0, 1)  # its writer gave up: _h(2) is dropped
-    assert _h(2) not in store.table and store.table.keys[2] is None and store.table.row(_h(2)) == -1
+    assert _h(2) not in store.table and store.table.key(2) is None and store.table.row(_h(2)) == -1
     b, slots = store.allocate_put([_h(3), _h(4), _h(2)], None, 0, "b")
     store.commit(b.lease_id)
-    assert slots.addresses == [dev + 16, dev + 24, dev + 32]  # _h(2)'s old row now holds _h(3)
+    assert slots.addresses.tolist() == [dev + 16, dev + 24, dev + 32]  # _h(2)'s old row now holds _h(3)
     lease, got, _ = store.get([_h(0), _h(1), _h(2), _h(3)], None, 0, "r")
-    assert got.keys == [_h(0), _h(1), _h(2), _h(3)]
-    assert got.addresses == [dev, dev + 8, dev + 32, dev + 16]
+    assert _keys(store, got.rows) == [_h(0), _h(1), _h(2), _h(3)]
+    assert got.addresses.tolist() == [dev, dev + 8, dev + 32, dev + 16]
     assert lease.pinned == [0, 1, 4, 2] and [store.block(_h(i)).pins for i in range(5)] == [1, 1, 1, 1, 0]
     store.release(lease.lease_id)
     lease, got, _ = store.get([_h(3), _h(4), _h(2), _h(9)], None, 0, "r")
-    assert got.keys == [_h(3), _h(4), _h(2)] and got.addresses == [dev + 16, dev + 24, dev + 32]
+    assert _keys(store, got.rows) == [_h(3), _h(4), _h(2)] and got.addresses.tolist() == [dev + 16, dev + 24, dev + 32]
     with pytest.raises(InvalidArgument, match="repeat within one get"):
         store.get([_h(0), _h(1), _h(0)], None, 0, "r")
     assert [store.block(_h(i)).pins for i in range(5)] == [0, 0, 1, 1, 1]
@@ -190,10 +191,11 @@ def test_a_store_that_turns_over_leaves_clean_rows_and_sheds_its_dead_order_item
             read, _, _ = store.get(put(i)[:1], None, 0, "r")
             store.release(read.lease_id)
     t = store.table
-    assert len(t) == 20 and all(t.row(k) == i for i, k in enumerate(t.keys))
+    keys = _keys(store, range(t.size))
+    assert len(t) == 20 and all(t.row(k) == i for i, k in enumerate(keys))
     assert (t.pins.sum(), t.committed.sum(), t.stamp.astype(bool).sum()) == (0, 20, 20)
-    assert set(t.keys[:16]) == {*put(498), *put(499)}  # the device: the last two puts
-    assert sorted(t.keys[16:]) == put(497)[4:]  # DRAM: the last 4 of the 8 the last put demoted
+    assert set(keys[:16]) == {*put(498), *put(499)}  # the device: the last two puts
+    assert sorted(keys[16:]) == put(497)[4:]  # DRAM: the last 4 of the 8 the last put demoted
     assert len(store.evictable[DEVICE]) == 16 and len(store.evictable[DRAM]) == 4
     queued = sum(len(ids) for order in store.evictable.values() for q in order._queues for ids, _ in q)
     assert queued <= 2 * (2 * 20 + SHED_AFTER)

@@ -3,6 +3,7 @@ however it arrives, and the slot columns an answer carries. Pure logic: no store
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdserve.kv.control_frames import FrameError, FrameReader, frame
@@ -43,14 +44,19 @@ def test_a_frame_over_the_limit_is_refused_from_its_header():
 def test_an_answers_slots_stay_columns_and_read_as_slot_infos():
     from pdserve.kv.store_client import SlotColumns, SlotInfo, slots_from_pb
 
-    m = pb.SlotList(addresses=[4096, 8192, 65536], tiers=bytes([pb.TIER_DEVICE, pb.TIER_DRAM, pb.TIER_DEVICE]),
+    m = pb.SlotList(addresses=np.array([4096, 8192, 65536], "<u8").tobytes(),
+                    tiers=bytes([pb.TIER_DEVICE, pb.TIER_DRAM, pb.TIER_DEVICE]),
                     states=bytes([pb.SLOT_STATE_WRITE, pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]))
     slots = slots_from_pb(m)
     assert len(slots) == 3
     assert slots[1] == SlotInfo(8192, pb.TIER_DRAM, pb.SLOT_STATE_PRESENT) and slots[-1].address == 65536
-    assert slots[1:] == SlotColumns([8192, 65536], bytes([pb.TIER_DRAM, pb.TIER_DEVICE]),
-                                    bytes([pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]))
+    tail = slots[1:]
+    assert isinstance(tail, SlotColumns) and tail.addresses.tolist() == [8192, 65536]
+    assert (tail.tiers, tail.states) == (bytes([pb.TIER_DRAM, pb.TIER_DEVICE]),
+                                         bytes([pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]))
+    assert type(slots[0].address) is int and [s.address for s in slots] == [4096, 8192, 65536]
     assert [s.state for s in slots] == [pb.SLOT_STATE_WRITE, pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING]
     assert slots.states.count(pb.SLOT_STATE_WRITE) == 1
-    with pytest.raises(ValueError, match="malformed slot list from the store: 2 addresses, 3 tiers, 3 states"):
-        slots_from_pb(pb.SlotList(addresses=[1, 2], tiers=m.tiers, states=m.states))
+    with pytest.raises(ValueError, match=r"malformed slot list from the store: 16 bytes of addresses \(8 each\), "
+                                         "3 tiers, 3 states"):
+        slots_from_pb(pb.SlotList(addresses=m.addresses[:16], tiers=m.tiers, states=m.states))

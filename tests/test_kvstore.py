@@ -310,24 +310,24 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
         prof = common_pb2.HashProfile()
         prof.CopyFrom(client.profile_pb)
         prof.layout.block_size = 32
-        return await client.stub.Get(pb.GetRequest(profile=prof, block_hashes=[block_hash(1, 0)]))
+        return await client.stub.Get(pb.GetRequest(profile=prof, block_hashes=block_hash(1, 0)))
 
     async def wrong_model(client):
         prof = common_pb2.HashProfile()
         prof.CopyFrom(client.profile_pb)
         prof.model_fingerprint = "0" * 64
-        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=prof, block_hashes=[block_hash(1, 0)]))
+        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=prof, block_hashes=block_hash(1, 0)))
 
     assert _code(lambda: c.call(wrong_layout)) == (INVALID, "hash profile mismatch: KV layout differs: "
                                                    "L2x2xH2xB32xD64:float32 vs L2x2xH2xB16xD64:float32")
     assert _code(lambda: c.call(wrong_model))[0] == INVALID
-    code, msg = _code(lambda: c.call(alloc, block_hashes=[b"short"]))
-    assert code == INVALID and "malformed block hash at index 0: 5 bytes" in msg
-    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, i) for i in range(70_000)]))
+    code, msg = _code(lambda: c.call(alloc, block_hashes=block_hash(1, 0) + b"short"))
+    assert code == INVALID and "21 bytes is not a whole number of 16-byte hashes (hash 1 has 5 bytes)" in msg
+    code, msg = _code(lambda: c.call(alloc, block_hashes=b"".join(block_hash(1, i) for i in range(70_000))))
     assert code == INVALID and "too many blocks in one request: 70000 > 65536" in msg
-    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, i) for i in range(9)]))
+    code, msg = _code(lambda: c.call(alloc, block_hashes=b"".join(block_hash(1, i) for i in range(9))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "9 blocks requested, 8 can be made free" in msg
-    code, msg = _code(lambda: c.call(alloc, block_hashes=[block_hash(1, 0), block_hash(1, 0)]))
+    code, msg = _code(lambda: c.call(alloc, block_hashes=block_hash(1, 0) * 2))
     assert code == INVALID and "repeat" in msg
     code, msg = _code(lambda: c.call(StoreClient.commit, "w999"))
     assert code == grpc.StatusCode.NOT_FOUND and "unknown or lapsed" in msg

@@ -30,9 +30,10 @@ def test_control_socket_answers_as_the_unary_calls_and_outlives_their_errors(sma
 
     async def scenario(client: StoreClient):
         bad = [block_hash(7, 0), block_hash(7, 0)]
+        bad_pb = b"".join(bad)
         unary, stream = [], []
         calls = [
-            (lambda: client.stub.AllocatePut(pb.AllocatePutRequest(profile=client.profile_pb, block_hashes=bad)),
+            (lambda: client.stub.AllocatePut(pb.AllocatePutRequest(profile=client.profile_pb, block_hashes=bad_pb)),
              lambda: client.allocate(bad)),
             (lambda: client.stub.CommitPut(pb.CommitPutRequest(lease_id="w999")), lambda: client.commit("w999")),
             (lambda: client.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id="r999")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,9 +52,13 @@ def test_block_spans_merge_runs_adjacent_on_both_sides_only():
              (3 * n, 20 * n),  # adjacent locally only: a new span
              (5 * n, 21 * n),  # adjacent remotely only: a new span
              (6 * n, 22 * n), (7 * n, 23 * n)]  # and it runs on
-    assert block_spans(pairs, n) == [Span(0, 8 * n, 3 * n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, 3 * n)]
-    assert block_spans(pairs, n) == coalesce([Span(local, remote, n) for local, remote in pairs])
-    assert block_spans([(n, 0)], n) == [Span(n, 0, n)]  # address 0 is an address like any other
-    assert block_spans([], n) == []
-    with pytest.raises(ValueError):  # zip(strict=True) of unequal columns, as the store client passes them
-        block_spans(zip([0, n], [0], strict=True), n)
+    local, remote = [a for a, _ in pairs], [b for _, b in pairs]
+    spans = [Span(0, 8 * n, 3 * n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, 3 * n)]
+    assert block_spans(local, remote, n) == spans
+    assert block_spans(local, np.array(remote, np.uint64), n) == spans  # as an answer's addresses come
+    assert all(type(x) is int for s in block_spans(local, np.array(remote, np.uint64), n) for x in vars(s).values())
+    assert block_spans(local, remote, n) == coalesce([Span(a, b, n) for a, b in pairs])
+    assert block_spans([n], [0], n) == [Span(n, 0, n)]  # address 0 is an address like any other
+    assert block_spans([], [], n) == []
+    with pytest.raises(ValueError, match="2 local addresses for 1 remote ones"):
+        block_spans([0, n], [0], n)

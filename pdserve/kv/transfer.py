@@ -8,9 +8,10 @@ remotely moves as one slice: at ~45 µs per slice here, coalescing is what makes
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,21 +32,18 @@ class Span:
     nbytes: int
 
 
-def block_spans(pairs: Iterable[tuple[int, int]], nbytes: int) -> list[Span]:
-    """Spans for blocks of `nbytes`, given as (local, remote) addresses, neighbours adjacent on
-    both sides merged (order kept): a span per run, not per block, built from plain ints."""
-    out: list[Span] = []
-    run_local = run_remote = size = 0
-    for local, remote in pairs:
-        if size and local == run_local + size and remote == run_remote + size:
-            size += nbytes
-            continue
-        if size:
-            out.append(Span(run_local, run_remote, size))
-        run_local, run_remote, size = local, remote, nbytes
-    if size:
-        out.append(Span(run_local, run_remote, size))
-    return out
+def block_spans(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int) -> list[Span]:
+    """Spans for blocks of `nbytes`, block i from local[i] to remote[i], neighbours adjacent on
+    both sides merged (order kept): a span per run, not per block, found in one numpy pass."""
+    if len(local) != len(remote):
+        raise ValueError(f"block_spans: {len(local)} local addresses for {len(remote)} remote ones")
+    if not len(local):
+        return []
+    loc, rem, step = np.asarray(local, np.uint64), np.asarray(remote, np.uint64), np.uint64(nbytes)
+    breaks = (np.flatnonzero((loc[1:] != loc[:-1] + step) | (rem[1:] != rem[:-1] + step)) + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, len(loc)]
+    return [Span(a, b, (end - start) * nbytes)
+            for a, b, start, end in zip(loc[starts].tolist(), rem[starts].tolist(), starts, ends, strict=True)]
 
 
 def coalesce(spans: Sequence[Span]) -> list[Span]:

@@ -33,10 +33,10 @@ class SlotList(_message.Message):
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
-    addresses: _containers.RepeatedScalarFieldContainer[int]
+    addresses: bytes
     tiers: bytes
     states: bytes
-    def __init__(self, addresses: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ..., states: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, addresses: _Optional[bytes] = ..., tiers: _Optional[bytes] = ..., states: _Optional[bytes] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "address", "tier", "state")
@@ -82,13 +82,13 @@ class AllocatePutRequest(_message.Message):
     WRITER_KEEPS_COPY_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_key: str
     lease_ms: int
     request_id: str
     writer_keeps_copy: bool
     hold_ms: int
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_keeps_copy: _Optional[bool] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_keeps_copy: _Optional[bool] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class AllocatePutResponse(_message.Message):
     __slots__ = ("lease_id", "slots", "lease_deadline_unix_ms", "hold_lease_id")
@@ -128,11 +128,11 @@ class GetRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_key: str
     lease_ms: int
     request_id: str
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("lease_id", "slots", "tail", "lease_deadline_unix_ms")
@@ -154,11 +154,11 @@ class WatchRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_key: str
     lease_ms: int
     request_id: str
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("lease_id", "indices", "slots")
@@ -251,11 +251,11 @@ class PutBytesHeader(_message.Message):
     TAIL_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_key: str
     tail_lease_ms: int
     request_id: str
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., tail_lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., tail_lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -280,10 +280,10 @@ class GetBytesRequest(_message.Message):
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     profile: _common_pb2.HashProfile
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_key: str
     request_id: str
-    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetBytesResponse(_message.Message):
     __slots__ = ("num_blocks", "has_tail", "data")

@@ -8,6 +8,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 DEVICE, DRAM = "device", "dram"
 
 
@@ -19,6 +21,7 @@ class SlotState(enum.IntEnum):  # int-valued: hashed and compared at C speed, pe
 
 class SlotRef(NamedTuple):  # one block's slot (a tail, a watched block); calls answer `Slots`
     key: bytes
+    row: int  # its block id (see table.py): true while it stays pinned
     address: int
     tier: str
     state: SlotState
@@ -26,26 +29,25 @@ class SlotRef(NamedTuple):  # one block's slot (a tail, a watched block); calls 
 
 @dataclass(slots=True)
 class Slots:
-    """The slots of one call's blocks, as columns (row i is block i): a put or get of hundreds
-    of blocks builds them without an object per block, and they go out as columns too."""
+    """The slots of one call's blocks, as numpy columns (entry i is block i): a put or get of
+    hundreds of blocks builds them, and they go out, without an object per block."""
 
-    keys: list[bytes]
-    addresses: list[int]
-    tiers: list[str]
-    states: list[SlotState]
+    rows: np.ndarray  # int64 block ids (see table.py): true while the call's lease pins them
+    addresses: np.ndarray  # uint64
+    in_dram: np.ndarray  # bool: in the DRAM tier, else the device tier
+    states: np.ndarray  # uint8 SlotState values
 
     @classmethod
     def of(cls, refs: list[SlotRef]) -> Slots:
-        if not refs:
-            return cls([], [], [], [])
-        keys, addresses, tiers, states = map(list, zip(*refs, strict=True))
-        return cls(keys, addresses, tiers, states)
+        return cls(np.array([r.row for r in refs], np.int64), np.array([r.address for r in refs], np.uint64),
+                   np.array([r.tier == DRAM for r in refs], np.bool_), np.array([r.state for r in refs], np.uint8))
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.rows)
 
-    def __getitem__(self, i: int) -> SlotRef:
-        return SlotRef(self.keys[i], self.addresses[i], self.tiers[i], self.states[i])
+    @property
+    def tiers(self) -> list[str]:
+        return [DRAM if d else DEVICE for d in self.in_dram.tolist()]
 
 
 @dataclass
@@ -55,13 +57,13 @@ class Lease:
     deadline: float
     request_id: str
     pinned: list[int] = field(default_factory=list)  # read: the block ids it pins; write: those still uncommitted
-    named: list[bytes] = field(default_factory=list)  # write: every key the put named, the tail last
+    named: np.ndarray | None = None  # write: the hashes the put named, packed (see table.py)
     tail_key: bytes | None = None  # write: the put's tail, if any; read: the tail it pins, if any
-    all_keys: set[bytes] | None = None  # write: `named` as a set, made when a commit names keys
+    all_keys: set[bytes] | None = None  # write: `named` and the tail as a set, made when a commit names keys
     watching: bool = False  # a live Watch stream keeps it from lapsing
     hold_id: str = ""  # write: the hold on this put's blocks, if any
-    held: list[int] = field(default_factory=list)  # hold: the block ids it pinned
-    held_keys: list[bytes] = field(default_factory=list)  # hold: theirs (a block gone since is skipped)
+    held: np.ndarray | None = None  # hold: the block ids it pinned
+    held_keys: np.ndarray | None = None  # hold: their hashes, packed (a block gone since is skipped)
     hold_s: float = 0.0  # hold: how long it outlives the put's last commit
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 import structlog
 
 from pdserve import logs, telemetry
@@ -22,6 +23,10 @@ log = logs.get("kvstore")
 _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
+# The same, as look-up tables for a column at once: a tier column (in DRAM?) and a state one.
+_TIER_CODES = np.array([pb.TIER_DEVICE, pb.TIER_DRAM], np.uint8)
+_STATE_CODES = np.zeros(max(_STATE) + 1, np.uint8)
+_STATE_CODES[list(_STATE)] = list(_STATE.values())
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
 # Control socket: the oneof field of each call (also its handler here) -> its unary RPC's name.
 _CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
@@ -33,16 +38,11 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
 
 
 def _slots_fields(slots: Slots) -> dict:
-    """A SlotList's fields (a message is built once, where it goes: building one and then
-    placing it in another copies it, ~20 µs for 1,024 slots)."""
-    return {"addresses": slots.addresses, "tiers": _column(slots.tiers, _TIER), "states": _column(slots.states, _STATE)}
-
-
-def _column(values: list, codes: dict) -> bytes:
-    """One byte per value; a column of one value (most are) without a look-up per row."""
-    if values and values.count(values[0]) == len(values):
-        return bytes([codes[values[0]]]) * len(values)
-    return bytes(map(codes.__getitem__, values))
+    """A SlotList's fields, each column as one bytes object (a message is built once, where it
+    goes: building one and then placing it in another copies it)."""
+    return {"addresses": slots.addresses.astype("<u8", copy=False).tobytes(),
+            "tiers": _TIER_CODES[slots.in_dram.view(np.uint8)].tobytes(),
+            "states": _STATE_CODES[slots.states].tobytes()}
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -65,11 +65,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.max_blocks = max_blocks
         self.redis_connected = redis_connected
 
-    def _check(self, profile, hashes: list[bytes], request_id: str) -> list[bytes]:
+    def _check(self, profile, hashes: bytes, request_id: str) -> np.ndarray:
+        """The request's hashes, packed as the store keeps them (table.pack)."""
         structlog.contextvars.bind_contextvars(request_id=request_id or None)
         if profile != self.profile_pb:  # the same message as ours is the common case, and cheap to see
             require_profile(profile, self.profile)
-        return hashes_from_pb(list(hashes), self.max_blocks)
+        return hashes_from_pb(hashes, self.max_blocks)
 
     async def Info(self, request, context):
         return pb.InfoResponse(
@@ -183,7 +184,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if lease.lease_id in self.store.leases:
                 self.store.release(lease.lease_id)  # reclaim what was never committed
             raise
-        written = refs.states.count(SlotState.WRITE)
+        written = int(np.count_nonzero(refs.states == SlotState.WRITE))
         if lease.lease_id in self.store.leases:
             self.store.commit(lease.lease_id, tail_ttl_ms=h.tail_lease_ms)
         return pb.PutBytesResponse(written=written, already_present=len(refs) - written)
@@ -194,25 +195,27 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         while pos < len(data):
             block, within = divmod(offset + pos, nbytes)
             take = min(nbytes - within, len(data) - pos)
-            ref = refs[block]
-            if ref.state == SlotState.WRITE:
-                tier, slot = self.store.locate(ref.key)
-                view = self.store.tiers[tier].view(slot)
+            if refs.states[block] == SlotState.WRITE:  # (pinned by the put's lease: its row holds)
+                view = self._view(int(refs.rows[block]))
                 view[within : within + take].copy_(_as_tensor(data[pos : pos + take]))
             pos += take
+
+    def _view(self, row: int):
+        """The bytes of the block in a row (a pinned one: it stays there)."""
+        t = self.store.table
+        return self.store.tiers[t.tier_of(row)].view(t.slot_of(row))
 
     async def GetBytes(self, request, context):
         hashes = self._check(request.profile, request.block_hashes, request.request_id)
         lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), 0, request.request_id)
-        keys = [*refs.keys, *([tail.key] if tail else [])]
-        yield pb.GetBytesResponse(num_blocks=len(keys), has_tail=tail is not None)
+        rows = [*refs.rows.tolist(), *([tail.row] if tail else [])]
+        yield pb.GetBytesResponse(num_blocks=len(rows), has_tail=tail is not None)
         if lease is None:
             return
         try:
             buf = bytearray()
-            for key in keys:
-                tier, slot = self.store.locate(key)
-                buf += self.store.tiers[tier].view(slot).cpu().numpy().tobytes()
+            for row in rows:  # (pinned by the get's lease)
+                buf += self._view(row).cpu().numpy().tobytes()
                 while len(buf) >= CHUNK_BYTES:
                     yield pb.GetBytesResponse(data=bytes(buf[:CHUNK_BYTES]))
                     del buf[:CHUNK_BYTES]

@@ -12,7 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from services.kvstore.entries import DEVICE, DRAM, Counters, Lease, SlotRef, Slo
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
 from services.kvstore.memory import TierMemory
-from services.kvstore.table import NO_BLOCK, BlockView, pack
+from services.kvstore.table import NO_BLOCK, BlockView, Hashes, pack, unpack
 from services.kvstore.tiers import TieredBlocks
 from services.kvstore.watches import Watches
 
@@ -64,10 +64,11 @@ class BlockStore:
         self.blocks.index = sink
 
     # -- put -------------------------------------------------------------------------------
-    def allocate_put(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+    def allocate_put(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
                      request_id: str, writer_keeps_copy: bool = False,
                      hold_ms: int = 0) -> tuple[Lease, Slots]:
         """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING.
+        `hashes`: packed (table.pack) or one bytes object each.
 
         writer_keeps_copy: new blocks are copies of the writer's cache, evicted before any other
         block (oldest copies first). Otherwise (an offload, or any other put) new blocks and
@@ -85,45 +86,39 @@ class BlockStore:
             raise InvalidArgument("block hashes repeat within one put")
         found = t.index.lookup(packed)  # each hash's row, or -1: not here
         here = found >= 0
-        if here.any():
-            present = found[here]
-            new_hashes = [h for h, is_here in zip(hashes, here.tolist(), strict=True) if not is_here]
-            new_packed = packed[~here]
-        else:  # the common put: every block is new
-            present, new_hashes, new_packed = None, hashes, packed
+        present = found[here] if here.any() else None
+        new_packed = packed if present is None else packed[~here]  # (the common put: every block is new)
         # Making room must not evict the blocks of this very put that are already here.
         if present is not None:
             self.blocks.pin(present)
         try:
-            rows = self.blocks.allocate(len(new_hashes) + (tail_key is not None))
+            rows = self.blocks.allocate(len(new_packed) + (tail_key is not None))
         finally:
             if present is not None:
                 self.blocks.unpin(present)
         lease = self.leases.new("write", lease_ms, request_id)
-        lease.named = [*hashes, tail_key] if tail_key is not None else hashes
-        lease.tail_key = tail_key
-        t.add(new_hashes, new_packed, rows, pins=1, duplicate=writer_keeps_copy, tail_key=tail_key)  # the writer's pin
+        lease.named, lease.tail_key = packed, tail_key
+        t.add(new_packed, rows, pins=1, duplicate=writer_keeps_copy, tail_key=tail_key)  # the writer's pin
         lease.pinned = rows.tolist()
         if present is None:
-            out = Slots(lease.named, t.address[rows].tolist(), t.tiers_of(rows), [SlotState.WRITE] * len(rows))
+            all_rows = rows
+            out = Slots(rows, t.address[rows], rows >= t.split, np.full(len(rows), SlotState.WRITE, np.uint8))
         else:
-            found[~here] = rows[: len(new_hashes)]
-            all_rows = np.concatenate([found, rows[len(new_hashes):]])  # (the tail's, if any)
-            out = self._put_slots(lease.named, all_rows, ~here, present, writer_keeps_copy)
+            found[~here] = rows[: len(new_packed)]
+            all_rows = np.concatenate([found, rows[len(new_packed):]])  # (the tail's, if any)
+            out = self._put_slots(all_rows, ~here, present, writer_keeps_copy)
         if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
             hold = self.leases.new("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            held = [(h, i) for h, i, state in zip(hashes, (found if present is not None else rows).tolist(), out.states,
-                                                   strict=False) if state != SlotState.PENDING]
-            hold.held_keys, hold.held = [h for h, _ in held], [i for _, i in held]
-            self.blocks.pin(np.array(hold.held, np.int64))
+            held = out.states[: len(packed)] != SlotState.PENDING
+            hold.held, hold.held_keys = all_rows[: len(packed)][held], packed[held]
+            self.blocks.pin(hold.held)
             lease.hold_id = hold.lease_id
         if not lease.pinned:
             self.leases.close(lease)
         return lease, out
 
-    def _put_slots(self, keys: list[bytes], rows: np.ndarray, new: np.ndarray, present: np.ndarray,
-                   writer_keeps_copy: bool) -> Slots:
+    def _put_slots(self, rows: np.ndarray, new: np.ndarray, present: np.ndarray, writer_keeps_copy: bool) -> Slots:
         """`rows`: each key's (hashes, then the tail); `new`: which hashes this put writes."""
         t = self.table
         if not writer_keeps_copy:
@@ -132,7 +127,7 @@ class BlockStore:
                 self.blocks.keep(kept)
         new = np.concatenate([new, np.ones(len(rows) - len(new), np.bool_)])  # a tail is always new
         states = np.where(new, SlotState.WRITE, np.where(t.committed[rows], SlotState.PRESENT, SlotState.PENDING))
-        return Slots(list(keys), t.address[rows].tolist(), t.tiers_of(rows), list(map(SlotState, states.tolist())))
+        return Slots(rows, t.address[rows], rows >= t.split, states.astype(np.uint8))
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -150,7 +145,7 @@ class BlockStore:
         else:
             keys = list(keys)
             if lease.all_keys is None:
-                lease.all_keys = set(lease.named)
+                lease.all_keys = {*unpack(lease.named), *([lease.tail_key] if lease.tail_key is not None else [])}
             for key in keys:
                 if key not in lease.all_keys:
                     raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
@@ -167,7 +162,7 @@ class BlockStore:
             self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
         if len(rows):
             self.blocks.commit(rows)
-            self.index.committed(list(map(t.keys.__getitem__, rows.tolist())), t.tiers_of(rows))
+            self.index.committed(Hashes(t.keys[rows]), t.tiers_of(rows))
         if self.watchers:
             self._notify(wanted)
         count = len(wanted)
@@ -183,7 +178,7 @@ class BlockStore:
         return count, closed
 
     # -- get -------------------------------------------------------------------------------
-    def get(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+    def get(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
             request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
         t = self.table
         rows = t.index.prefix(pack(hashes), t.committed)  # the longest committed prefix's
@@ -198,12 +193,12 @@ class BlockStore:
         counters.misses += len(hashes) - n
         self.index.looked_up(n, len(hashes) - n)
         if not found and tail == NO_BLOCK:
-            return None, Slots([], [], [], []), None
+            return None, Slots(rows, t.address[rows], rows >= t.split, np.empty(0, np.uint8)), None
         lease = self.leases.new("read", lease_ms, request_id)
         n_dram = self._pin_for_read(lease, rows, found)
         counters.tier_hits[DEVICE] += n - n_dram
         counters.tier_hits[DRAM] += n_dram
-        slots = Slots(hashes[:n], t.address[rows].tolist(), t.tiers_of(rows), [SlotState.PRESENT] * n)
+        slots = Slots(rows, t.address[rows], rows >= t.split, np.full(n, SlotState.PRESENT, np.uint8))
         if tail == NO_BLOCK:
             return lease, slots, None
         self._pin_for_read(lease, np.array([tail], np.int64), [tail])
@@ -219,17 +214,18 @@ class BlockStore:
         return n_dram
 
     # -- watch -----------------------------------------------------------------------------
-    def watch(self, hashes: list[bytes], tail_key: bytes | None, lease_ms: int,
+    def watch(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
               request_id: str) -> Watcher:
         """Register interest; already-committed keys are queued at once, others on commit."""
-        keys = [*hashes, *([tail_key] if tail_key is not None else [])]
+        packed = pack(hashes)
+        keys = [*unpack(packed), *([tail_key] if tail_key is not None else [])]
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys repeat within one watch")
         lease = self.leases.new("read", lease_ms, request_id)
         lease.watching = True
         watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
         t = self.table
-        rows = t.index.lookup(pack(hashes)).tolist()
+        rows = t.index.lookup(packed).tolist()
         if tail_key is not None:
             rows.append(t.tails.get(tail_key, NO_BLOCK))
         ready: list[int] = []
@@ -248,17 +244,16 @@ class BlockStore:
     def _deliver(self, watcher: Watcher, rows: list[int]) -> None:
         self._pin_for_read(watcher.lease, np.array(rows, np.int64), rows)
         for i in rows:
-            key = self.table.keys[i]
-            if self.table.tails.get(key) == i:
-                watcher.lease.tail_key = key  # (consumed at release, as a get's)
-            watcher.queue.put_nowait((watcher.wanted.pop(key), self.blocks.slot_ref(i)))
+            ref = self.blocks.slot_ref(i)
+            if self.table.is_tail[i]:
+                watcher.lease.tail_key = ref.key  # (consumed at release, as a get's)
+            watcher.queue.put_nowait((watcher.wanted.pop(ref.key), ref))
 
     def _notify(self, rows: list[int]) -> None:
         """Newly committed blocks: to each watcher waiting on them, in one delivery."""
-        keys = self.table.keys
         ready: dict[int, tuple[Watcher, list[int]]] = {}
         for i in rows:
-            for watcher in self.watchers.take(keys[i]):
+            for watcher in self.watchers.take(self.table.key(i)):
                 if watcher.lease.lease_id in self.leases:
                     ready.setdefault(id(watcher), (watcher, []))[1].append(i)
         for watcher, mine in ready.values():
@@ -284,8 +279,8 @@ class BlockStore:
         self.leases.close(lease)
         t = self.table
         if lease.kind == "hold":  # (a block its writer failed to write went since: skipped)
-            live = [i for i, k in zip(lease.held, lease.held_keys, strict=True) if t.keys[i] == k]
-            self.blocks.unpin(np.array(live, np.int64))
+            live = lease.held[(t.keys[lease.held] == lease.held_keys).all(axis=1) & ~t.is_tail[lease.held]]
+            self.blocks.unpin(live)
             return len(live), 0
         if lease.kind == "write" and lease.hold_id in self.leases:
             self.release(lease.hold_id)  # the writer failed: nobody will read this handoff

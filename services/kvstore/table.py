@@ -8,6 +8,7 @@ touching a thousand objects (≈ 185 ns to make each one here, more than the res
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -21,12 +22,42 @@ from services.kvstore.memory import TierMemory
 NO_BLOCK = -1
 
 
-def pack(hashes: list[bytes]) -> np.ndarray:
-    """Block hashes as the index takes them: [n, 2] uint64, each hash's 16 bytes."""
+def pack(hashes: np.ndarray | Sequence[bytes]) -> np.ndarray:
+    """Block hashes as the store keeps them: [n, 2] uint64, each hash's 16 bytes (an array
+    already so passes as it is)."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
     data = b"".join(hashes)
     if len(data) != HASH_BYTES * len(hashes):
         raise InvalidArgument(f"block hashes must be {HASH_BYTES} bytes each")
     return np.frombuffer(data, np.uint64).reshape(-1, 2)
+
+
+def unpack(packed: np.ndarray) -> list[bytes]:
+    """Packed hashes back as one bytes object each (for the paths that name blocks one by one)."""
+    data = packed.tobytes()
+    return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+class Hashes(Sequence[bytes]):
+    """Packed hashes read as a sequence of bytes objects, each made when it is read: the store
+    hands a commit's keys on like this, and its reader unpacks them off the call's path."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: np.ndarray):
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return unpack(self.packed[i])
+        return self.packed[i].tobytes()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(unpack(self.packed))
 
 
 class BlockView(NamedTuple):
@@ -46,8 +77,8 @@ class BlockTable:
     """Owns every block's row and the key -> row maps (block hashes: `index`; per-request tails:
     `tails`); `TieredBlocks` decides what goes where.
 
-    Invariants: `row(k) == i` exactly when `keys[i] == k`; a row with no block has key None and
-    every flag clear (rows are cleared when their block goes, so a new block starts clean)."""
+    Invariants: `row(k) == i` exactly when `key(i) == k`; a row with no block has every column
+    clear (rows are cleared when their block goes, so a new block starts clean)."""
 
     def __init__(self, device: TierMemory, dram: TierMemory):
         self.split = device.info.num_slots  # first DRAM id
@@ -55,7 +86,10 @@ class BlockTable:
         self.size = n
         self.index = make_index(n)  # block hash -> row
         self.tails: dict[bytes, int] = {}  # a per-request tail's key -> row
-        self.keys: list[bytes | None] = [None] * n
+        self.tail_keys: dict[int, bytes] = {}  # and back
+        # Each row's block hash, packed as the index takes them (a tail's row: zeros, its key is
+        # in `tail_keys`): a call's keys go in and out as one numpy step, no object per block.
+        self.keys = np.zeros((n, 2), np.uint64)
         self.pins = np.zeros(n, np.int32)
         self.committed = np.zeros(n, np.bool_)
         # Its writer keeps a copy in its own cache: when unpinned it goes to the cold end of its
@@ -92,6 +126,13 @@ class BlockTable:
         if row == NO_BLOCK and len(key) == HASH_BYTES:
             row = int(self.index.lookup(pack([key]))[0])
         return row
+
+    def key(self, block_id: int) -> bytes | None:
+        """The key of the block in a row (its hash, or a tail's key); None when the row holds none."""
+        if self.is_tail[block_id]:
+            return self.tail_keys[block_id]
+        packed = self.keys[block_id : block_id + 1]
+        return packed.tobytes() if self.index.lookup(packed)[0] == block_id else None
 
     def tier_of(self, block_id: int) -> str:
         return DEVICE if block_id < self.split else DRAM
@@ -162,7 +203,7 @@ class BlockTable:
                                        c["stamp"], c["duplicate"], self.split, first, c["_freed"], c["_groups"],
                                        c["_counts"])
         if m < 0:
-            raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.keys[rows[-m - 1]]!r})")
+            raise AssertionError(f"unpinned below zero: row {rows[-m - 1]} ({self.key(rows[-m - 1])!r})")
         if not self._counts[4]:
             return self._freed[:m].copy(), None, 0
         self._stamps += m  # (every row freed is queued: a pinned row is in no order)
@@ -191,65 +232,55 @@ class BlockTable:
         counts = self._counts[:4].tolist()
         return [self._groups[g * n : g * n + counts[g]] for g in range(4)]
 
-    def add(self, keys: list[bytes], packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
+    def add(self, packed: np.ndarray, block_ids: np.ndarray, pins: int, duplicate: bool,
             tail_key: bytes | None = None) -> None:
-        """New blocks, uncommitted, in rows that hold none: the hashes `keys` (`packed`), then the
-        tail (the last row) if any."""
+        """New blocks, uncommitted, in rows that hold none: the hashes `packed`, then the tail
+        (the last row) if any."""
         n = len(packed)
         self.index.insert(packed, block_ids[:n])
         if tail_key is not None:
-            self.tails[tail_key] = int(block_ids[n])
-            self.is_tail[block_ids[n]] = True
-            keys = [*keys, tail_key]
+            row = int(block_ids[n])
+            self.tails[tail_key], self.tail_keys[row] = row, tail_key
+            self.is_tail[row] = True
         if len(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run: slices
             first, last = int(block_ids[0]), int(block_ids[-1]) + 1
-            self.keys[first:last] = keys
+            self.keys[first : first + n] = packed
             self.pins[first:last] = pins
             if duplicate:
                 self.duplicate[first:last] = True
         else:
-            for i, key in zip(block_ids.tolist(), keys, strict=True):
-                self.keys[i] = key
+            self.keys[block_ids[:n]] = packed
             self.pins[block_ids] = pins
             if duplicate:
                 self.duplicate[block_ids] = True
 
-    def clear(self, block_ids: np.ndarray) -> list[bytes]:
-        """Forget the blocks in these rows; returns their keys."""
-        keys = [self.keys[i] for i in block_ids.tolist()]
+    def clear(self, block_ids: np.ndarray) -> None:
+        """Forget the blocks in these rows."""
         tails = self.is_tail[block_ids]
         if tails.any():
             for i in block_ids[tails].tolist():
-                del self.tails[self.keys[i]]
-            self.index.remove(pack([k for k, tail in zip(keys, tails.tolist(), strict=True) if not tail]))
+                del self.tails[self.tail_keys.pop(i)]
+            self.index.remove(self.keys[block_ids[~tails]])
         else:
-            self.index.remove(pack(keys))
-        for i in block_ids.tolist():
-            self.keys[i] = None
-        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
+            self.index.remove(self.keys[block_ids])
+        for column in (self.keys, self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
             column[block_ids] = 0
-        return keys
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """The blocks in rows `src` now live in rows `dst` (empty ones): every column follows
         (the eviction-order stamp too: the caller queues them again where they now are). Only
         evictable blocks move: never a tail."""
-        keys = [self.keys[i] for i in src.tolist()]
-        for i, j, key in zip(src.tolist(), dst.tolist(), keys, strict=True):
-            self.keys[j], self.keys[i] = key, None
-        self.index.update(pack(keys), dst)
-        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote):
+        self.index.update(self.keys[src], dst)
+        for column in (self.keys, self.pins, self.committed, self.duplicate, self.is_tail, self.promote):
             column[dst] = column[src]
             column[src] = 0
         self.stamp[src] = 0
 
     def swap(self, a: int, b: int) -> None:
-        """The blocks in rows a and b trade places (a promotion into a full device tier)."""
-        ka, kb = self.keys[a], self.keys[b]
-        self.keys[a], self.keys[b] = kb, ka
-        self.index.update(pack([ka, kb]), np.array([b, a], np.int64))
-        for column in (self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
+        """The blocks in rows a and b trade places (a promotion into a full device tier; never tails)."""
+        for column in (self.keys, self.pins, self.committed, self.duplicate, self.is_tail, self.promote, self.stamp):
             column[[a, b]] = column[[b, a]]
+        self.index.update(self.keys[[a, b]], np.array([a, b], np.int64))
 
     def view(self, key: bytes) -> BlockView:
         i = self.row(key)

@@ -23,7 +23,7 @@ from services.kvstore.entries import DEVICE, DRAM, Counters, SlotRef, SlotState
 from services.kvstore.events import IndexSink
 from services.kvstore.memory import TierMemory, copy_slot, copy_slots
 from services.kvstore.order import EvictionOrder
-from services.kvstore.table import BlockTable
+from services.kvstore.table import BlockTable, unpack
 
 _GROUPS = ((DEVICE, 0), (DEVICE, 1), (DRAM, 0), (DRAM, 1))  # BlockTable.queue's: (tier, its order's queue)
 
@@ -45,7 +45,7 @@ class TieredBlocks:
 
     def slot_ref(self, block_id: int, state: SlotState = SlotState.PRESENT) -> SlotRef:
         t = self.table
-        return SlotRef(t.keys[block_id], int(t.address[block_id]), t.tier_of(block_id), state)
+        return SlotRef(t.key(block_id), block_id, int(t.address[block_id]), t.tier_of(block_id), state)
 
     def room(self, tier: str) -> int:
         return self.tiers[tier].allocator.num_free + len(self.evictable[tier])
@@ -119,12 +119,11 @@ class TieredBlocks:
         t = self.table
         for tier, part in self._by_tier(block_ids):
             self.evictable[tier].discard(part)
-        indexed = (t.committed[block_ids] & ~t.is_tail[block_ids]).tolist()
-        keys = t.clear(block_ids)
+        told = t.keys[block_ids[t.committed[block_ids] & ~t.is_tail[block_ids]]]  # (the index knows these)
+        t.clear(block_ids)
         self._free_rows(block_ids.tolist())
-        for key, told in zip(keys, indexed, strict=True):
-            if told:
-                self.index.dropped(key)
+        for key in unpack(told):
+            self.index.dropped(key)
 
     def _free_rows(self, rows: list[int]) -> None:
         split = self.table.split
@@ -220,16 +219,18 @@ class TieredBlocks:
         # Rows taken for victims that went again, and the victims' device rows, are free.
         used = set(dst.tolist())
         self._free_rows([r for r in set(landing) if r not in used] + victim_rows)
-        for i, j in zip(src.tolist(), dst.tolist(), strict=True):
+        for i, j, key in zip(src.tolist(), dst.tolist(), unpack(t.keys[dst]), strict=True):
             moves[j] = i
-            self.index.moved(t.keys[j], DRAM)
+            self.index.moved(key, DRAM)
 
     def drop_kept_rows(self, block_ids: np.ndarray) -> None:
         """Forget these blocks but keep their rows taken (the caller reuses or frees them)."""
         t = self.table
         for tier, part in self._by_tier(block_ids):
             self.evictable[tier].discard(part)
-        for key in t.clear(block_ids):
+        keys = t.keys[block_ids]  # (evictable: committed, no tails)
+        t.clear(block_ids)
+        for key in unpack(keys):
             self.index.dropped(key)
 
     def promote(self, block_id: int) -> None:
@@ -243,7 +244,7 @@ class TieredBlocks:
         src = np.array([block_id], dtype=np.int64)
         self.evictable[DRAM].discard(src)
         dram_slot = t.slot_of(block_id)
-        key = t.keys[block_id]
+        key = t.key(block_id)
         if device.allocator.num_free > 0:
             [slot] = device.allocator.allocate(1)
             copy_slot(dram, dram_slot, device, slot)
@@ -263,5 +264,5 @@ class TieredBlocks:
         self.evictable[DRAM].add(src)  # the victim, in our old row
         self.counters.evictions[DEVICE] += 1
         self.index.moved(key, DEVICE)
-        self.index.moved(t.keys[block_id], DRAM)
+        self.index.moved(t.key(block_id), DRAM)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.kvstore.store import BlockStore
+from services.kvstore.table import unpack
 
 
 def tier_stats(store: BlockStore, tier: str) -> dict:
@@ -25,4 +26,4 @@ def committed_blocks(store: BlockStore) -> list[tuple[bytes, str]]:
     """(key, tier) of every committed prefix block: what the Redis index is rebuilt from."""
     table = store.table
     rows = np.flatnonzero(table.committed & ~table.is_tail).tolist()
-    return [(table.keys[i], table.tier_of(i)) for i in rows]
+    return list(zip(unpack(table.keys[rows]), map(table.tier_of, rows), strict=True))
