@@ -25,6 +25,8 @@ def test_the_c_index_answers_as_the_dict_one_through_churn_at_full_load():
     for _ in range(400):
         probe = rng.sample(universe, 64)
         assert native.lookup(pack(probe)).tolist() == ref.lookup(pack(probe)).tolist()
+        rows, found = native.lookup_unique(pack(probe))  # (a sample: no repeats)
+        assert rows.tolist() == ref.lookup(pack(probe)).tolist() and found == len(held & set(probe))
         op = rng.random()
         if op < 0.45 and len(held) < capacity:
             new = [k for k in rng.sample(universe, 80) if k not in held][: capacity - len(held)]
@@ -58,8 +60,12 @@ def test_the_index_refuses_what_would_corrupt_it_and_finds_repeats():
     with pytest.raises(RuntimeError, match="not indexed"):
         index.remove(pack([_key(9)]))
     for impl in (index, DictBlockIndex(4)):
-        assert impl.first_repeat(pack([_key(1), _key(2), _key(3), _key(2)])) == 3
-        assert impl.first_repeat(pack([_key(1), _key(2)])) == -1
+        assert impl.lookup_unique(pack([_key(1), _key(2), _key(3), _key(2)])) is None  # here, repeated
+        assert impl.lookup_unique(pack([_key(9), _key(1), _key(9)])) is None  # not here, repeated
+    rows, found = index.lookup_unique(pack([_key(1), _key(9), _key(3)]))
+    assert (rows.tolist(), found) == ([5, -1, 7], 2)
+    rows, found = DictBlockIndex(4).lookup_unique(pack([_key(1), _key(2)]))
+    assert (rows.tolist(), found) == ([-1, -1], 0)
     assert index.lookup(pack([_key(1), _key(2), _key(3), _key(4)])).tolist() == [5, 6, 7, -1]
 
 

@@ -144,7 +144,7 @@ def test_a_get_answers_the_blocks_the_store_holds_now_wherever_their_puts_left_t
     lease, got, _ = store.get([_h(0), _h(1), _h(2), _h(3)], None, 0, "r")
     assert _keys(store, got.rows) == [_h(0), _h(1), _h(2), _h(3)]
     assert got.addresses.tolist() == [dev, dev + 8, dev + 32, dev + 16]
-    assert lease.pinned == [0, 1, 4, 2] and [store.block(_h(i)).pins for i in range(5)] == [1, 1, 1, 1, 0]
+    assert lease.pinned.tolist() == [0, 1, 4, 2] and [store.block(_h(i)).pins for i in range(5)] == [1, 1, 1, 1, 0]
     store.release(lease.lease_id)
     lease, got, _ = store.get([_h(3), _h(4), _h(2), _h(9)], None, 0, "r")
     assert _keys(store, got.rows) == [_h(3), _h(4), _h(2)] and got.addresses.tolist() == [dev + 16, dev + 24, dev + 32]

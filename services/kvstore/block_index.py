@@ -23,6 +23,7 @@ log = logs.get("kvstore.index")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("block_index.c", "block_rows.c")]
 _NONE = -1
+_OUT_OF_MEMORY = -(2**63)  # block_index_lookup_unique's INT64_MIN
 
 
 class BlockIndex(Protocol):
@@ -42,8 +43,9 @@ class BlockIndex(Protocol):
     def remove(self, keys: np.ndarray) -> None:
         """Keys in the index."""
 
-    def first_repeat(self, keys: np.ndarray) -> int:
-        """The position of the first key equal to an earlier one, or -1."""
+    def lookup_unique(self, keys: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """Each key's row (or -1) and how many are here, as one pass; None when a key repeats
+        an earlier one."""
 
     def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
         """The rows of the longest prefix of keys whose blocks are here and committed; None when
@@ -73,8 +75,8 @@ def library() -> ctypes.CDLL:
     lib.block_index_update.restype = i64
     lib.block_index_remove.argtypes = [ptr, i64, ptr, ptr, u64]
     lib.block_index_remove.restype = i64
-    lib.block_index_first_repeat.argtypes = [ptr, i64]
-    lib.block_index_first_repeat.restype = i64
+    lib.block_index_lookup_unique.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
+    lib.block_index_lookup_unique.restype = i64
     return lib
 
 
@@ -142,12 +144,13 @@ class NativeBlockIndex:
         if missing:
             raise RuntimeError(f"block index: {missing} keys to remove are not indexed")
 
-    def first_repeat(self, keys: np.ndarray) -> int:
+    def lookup_unique(self, keys: np.ndarray) -> tuple[np.ndarray, int] | None:
         keys = np.ascontiguousarray(keys, np.uint64)
-        at = self._lib.block_index_first_repeat(keys.ctypes.data, len(keys))
-        if at == -2:
+        out, out_ptr = self._answer(len(keys))
+        found = self._lib.block_index_lookup_unique(keys.ctypes.data, len(keys), *self._table, out_ptr)
+        if found == _OUT_OF_MEMORY:
             raise MemoryError(f"block index: no memory to look for repeats among {len(keys)} keys")
-        return at
+        return (out[: len(keys)].copy(), found) if found >= 0 else None
 
     def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
         keys = np.ascontiguousarray(keys, np.uint64)
@@ -196,13 +199,12 @@ class DictBlockIndex:
             if self._rows.pop(key, None) is None:
                 raise RuntimeError("block index: a key to remove is not indexed")
 
-    def first_repeat(self, keys: np.ndarray) -> int:
-        seen: set[bytes] = set()
-        for i, key in enumerate(self._split(keys)):
-            if key in seen:
-                return i
-            seen.add(key)
-        return -1
+    def lookup_unique(self, keys: np.ndarray) -> tuple[np.ndarray, int] | None:
+        split = self._split(keys)
+        if len(set(split)) != len(split):
+            return None
+        rows = np.array([self._rows.get(k, _NONE) for k in split], np.int64)
+        return rows, int(np.count_nonzero(rows >= 0))
 
 
     def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:

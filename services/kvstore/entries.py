@@ -11,6 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 DEVICE, DRAM = "device", "dram"
+NO_ROWS = np.empty(0, np.int64)  # no block ids (never changed in place: arrays are replaced)
+NO_ROWS.flags.writeable = False
 
 
 class SlotState(enum.IntEnum):  # int-valued: hashed and compared at C speed, per block
@@ -56,7 +58,8 @@ class Lease:
     kind: str  # "read" | "write" | "hold" (a handoff's blocks, pinned for the request's reader)
     deadline: float
     request_id: str
-    pinned: list[int] = field(default_factory=list)  # read: the block ids it pins; write: those still uncommitted
+    # int64 block ids; read: those it pins; write: those still uncommitted
+    pinned: np.ndarray = field(default_factory=lambda: NO_ROWS)
     named: np.ndarray | None = None  # write: the hashes the put named, packed (see table.py)
     tail_key: bytes | None = None  # write: the put's tail, if any; read: the tail it pins, if any
     all_keys: set[bytes] | None = None  # write: `named` and the tail as a set, made when a commit names keys

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -21,24 +22,24 @@ class RunAllocator:
         self._lengths: dict[int, int] = {0: num_slots} if num_slots else {}
         self.num_free = num_slots
 
-    def allocate(self, n: int) -> list[int]:
-        """n slots, as one run when one exists (first fit), else the fewest largest runs."""
+    def allocate(self, n: int) -> np.ndarray:
+        """n slots (int64, ascending), as one run when one exists (first fit), else the fewest
+        largest runs."""
         if n > self.num_free:
             raise RuntimeError(f"allocator: want {n} slots, {self.num_free} free")
-        if n == 0:
-            return []
         for start in self._starts:
             if self._lengths[start] >= n:
                 self._take(start, n)
-                return list(range(start, start + n))
-        out: list[int] = []
+                return np.arange(start, start + n, dtype=np.int64)
+        parts, left = [], n
         for start in sorted(self._starts, key=lambda s: -self._lengths[s]):
-            take = min(self._lengths[start], n - len(out))
+            take = min(self._lengths[start], left)
             self._take(start, take)
-            out.extend(range(start, start + take))
-            if len(out) == n:
+            parts.append(np.arange(start, start + take, dtype=np.int64))
+            left -= take
+            if not left:
                 break
-        return sorted(out)
+        return np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
 
     def _take(self, start: int, n: int) -> None:
         length = self._lengths.pop(start)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from pdserve.errors import InvalidArgument, NotFound
-from services.kvstore.entries import DEVICE, DRAM, Counters, Lease, SlotRef, Slots, SlotState, Watcher
+from services.kvstore.entries import DEVICE, DRAM, NO_ROWS, Counters, Lease, SlotRef, Slots, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
 from services.kvstore.memory import TierMemory
@@ -82,12 +82,15 @@ class BlockStore:
         if tail_key is not None and tail_key in t.tails:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
         packed = pack(hashes)
-        if t.index.first_repeat(packed) >= 0:
+        looked = t.index.lookup_unique(packed)
+        if looked is None:
             raise InvalidArgument("block hashes repeat within one put")
-        found = t.index.lookup(packed)  # each hash's row, or -1: not here
-        here = found >= 0
-        present = found[here] if here.any() else None
-        new_packed = packed if present is None else packed[~here]  # (the common put: every block is new)
+        found, n_here = looked  # each hash's row, or -1: not here
+        if n_here:
+            here = found >= 0
+            present, new_packed = found[here], packed[~here]
+        else:  # the common put: every block is new
+            present, new_packed = None, packed
         # Making room must not evict the blocks of this very put that are already here.
         if present is not None:
             self.blocks.pin(present)
@@ -99,7 +102,7 @@ class BlockStore:
         lease = self.leases.new("write", lease_ms, request_id)
         lease.named, lease.tail_key = packed, tail_key
         t.add(new_packed, rows, pins=1, duplicate=writer_keeps_copy, tail_key=tail_key)  # the writer's pin
-        lease.pinned = rows.tolist()
+        lease.pinned = rows
         if present is None:
             all_rows = rows
             out = Slots(rows, t.address[rows], rows >= t.split, np.full(len(rows), SlotState.WRITE, np.uint8))
@@ -114,7 +117,7 @@ class BlockStore:
             hold.held, hold.held_keys = all_rows[: len(packed)][held], packed[held]
             self.blocks.pin(hold.held)
             lease.hold_id = hold.lease_id
-        if not lease.pinned:
+        if not len(lease.pinned):
             self.leases.close(lease)
         return lease, out
 
@@ -141,7 +144,7 @@ class BlockStore:
             raise InvalidArgument(f"lease {lease_id!r} is a read lease")
         t = self.table
         if keys is None:
-            wanted = lease.pinned  # the blocks it wrote that are still uncommitted
+            rows = lease.pinned  # the blocks it wrote that are still uncommitted
         else:
             keys = list(keys)
             if lease.all_keys is None:
@@ -152,27 +155,28 @@ class BlockStore:
             hash_rows = iter(t.index.lookup(pack([k for k in keys if k != lease.tail_key])).tolist())
             rows_named = [t.tails[k] if k == lease.tail_key else next(hash_rows) for k in keys]
             # Keys it named but did not write (present, or another writer's) are not its to commit.
-            mine = set(lease.pinned)
-            wanted = list(dict.fromkeys(i for i in rows_named if i in mine))
-        rows = np.array(wanted, np.int64)
-        tail = t.tails.get(lease.tail_key, NO_BLOCK) if lease.tail_key is not None else NO_BLOCK
-        if tail != NO_BLOCK and tail in wanted:  # the writer's pin becomes the TTL pin
-            rows = rows[rows != tail]
-            t.committed[tail] = True
-            self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
-        if len(rows):
-            self.blocks.commit(rows)
-            self.index.committed(Hashes(t.keys[rows]), t.tiers_of(rows))
+            mine = set(lease.pinned.tolist())
+            rows = np.array(list(dict.fromkeys(i for i in rows_named if i in mine)), np.int64)
+        blocks = rows  # (not the tail)
+        if lease.tail_key is not None:
+            tail = t.tails.get(lease.tail_key, NO_BLOCK)
+            if tail != NO_BLOCK and tail in rows:  # the writer's pin becomes the TTL pin
+                blocks = rows[rows != tail]
+                t.committed[tail] = True
+                self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
+        if len(blocks):
+            self.blocks.commit(blocks)
+            self.index.committed(Hashes(t.keys[blocks]), t.tiers_of(blocks))
         if self.watchers:
-            self._notify(wanted)
-        count = len(wanted)
+            self._notify(rows.tolist())
+        count = len(rows)
         self.counters.bytes_written += count * self.block_nbytes
         if count:
-            lease.pinned = [i for i in lease.pinned if not t.committed[i]] if keys is not None else []
+            lease.pinned = lease.pinned[~t.committed[lease.pinned]] if keys is not None else NO_ROWS
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
-        closed = not lease.pinned
+        closed = not len(lease.pinned)
         if closed:
             self.leases.close(lease)
         return count, closed
@@ -184,7 +188,7 @@ class BlockStore:
         rows = t.index.prefix(pack(hashes), t.committed)  # the longest committed prefix's
         if rows is None:
             raise InvalidArgument("block hashes repeat within one get")
-        found, n = rows.tolist(), len(rows)
+        n = len(rows)
         tail = t.tails.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
         if tail != NO_BLOCK and not t.committed[tail]:
             tail = NO_BLOCK
@@ -192,25 +196,25 @@ class BlockStore:
         counters.hits += n
         counters.misses += len(hashes) - n
         self.index.looked_up(n, len(hashes) - n)
-        if not found and tail == NO_BLOCK:
+        if not n and tail == NO_BLOCK:
             return None, Slots(rows, t.address[rows], rows >= t.split, np.empty(0, np.uint8)), None
         lease = self.leases.new("read", lease_ms, request_id)
-        n_dram = self._pin_for_read(lease, rows, found)
+        n_dram = self._pin_for_read(lease, rows)
         counters.tier_hits[DEVICE] += n - n_dram
         counters.tier_hits[DRAM] += n_dram
         slots = Slots(rows, t.address[rows], rows >= t.split, np.full(n, SlotState.PRESENT, np.uint8))
         if tail == NO_BLOCK:
             return lease, slots, None
-        self._pin_for_read(lease, np.array([tail], np.int64), [tail])
+        self._pin_for_read(lease, np.array([tail], np.int64))
         lease.tail_key = tail_key  # (a read lease: the tail it pins, consumed at release)
         return lease, slots, self.blocks.slot_ref(tail)
 
-    def _pin_for_read(self, lease: Lease, rows: np.ndarray, row_list: list[int]) -> int:
+    def _pin_for_read(self, lease: Lease, rows: np.ndarray) -> int:
         """Pin blocks for a reader (out of the LRU while pinned; back at its recent end when
         unpinned); a DRAM hit is promoted once its last reader lets go. Returns the DRAM hits."""
         n_dram = self.blocks.pin(rows, for_read=True)
-        lease.pinned += row_list
-        self.counters.bytes_read += len(row_list) * self.block_nbytes
+        lease.pinned = np.concatenate([lease.pinned, rows]) if len(lease.pinned) else rows
+        self.counters.bytes_read += len(rows) * self.block_nbytes
         return n_dram
 
     # -- watch -----------------------------------------------------------------------------
@@ -242,7 +246,7 @@ class BlockStore:
         return watcher
 
     def _deliver(self, watcher: Watcher, rows: list[int]) -> None:
-        self._pin_for_read(watcher.lease, np.array(rows, np.int64), rows)
+        self._pin_for_read(watcher.lease, np.array(rows, np.int64))
         for i in rows:
             ref = self.blocks.slot_ref(i)
             if self.table.is_tail[i]:
@@ -284,7 +288,7 @@ class BlockStore:
             return len(live), 0
         if lease.kind == "write" and lease.hold_id in self.leases:
             self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
-        rows = np.array(lease.pinned, np.int64)  # each still here: pinned, so neither evicted nor dropped
+        rows = lease.pinned  # each still here: pinned, so neither evicted nor dropped
         if lease.kind == "write":
             self.blocks.drop(rows)
             return 0, len(rows)

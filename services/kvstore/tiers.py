@@ -165,9 +165,8 @@ class TieredBlocks:
         copy_slots(self.tiers, {(DRAM, dst - split): (DEVICE, src) for dst, src in moves.items()})
         return rows
 
-    def _rows(self, tier: str, slots: list[int]) -> np.ndarray:
-        rows = np.array(slots, dtype=np.int64) if slots else np.empty(0, np.int64)
-        return rows if tier == DEVICE else rows + self.table.split
+    def _rows(self, tier: str, slots: np.ndarray) -> np.ndarray:
+        return slots if tier == DEVICE else slots + self.table.split
 
     def _demote(self, victims: np.ndarray, moves: dict[int, int]) -> None:
         """Device blocks (in eviction order, out of the device order) go to DRAM as they would
@@ -180,7 +179,7 @@ class TieredBlocks:
             self.drop(victims)
             return
         k = len(victims)
-        landing = [t.split + s for s in dram.allocate(min(k, dram.num_free))]
+        landing = (dram.allocate(min(k, dram.num_free)) + t.split).tolist()
         old_copies, old_rest = (deque(q) for q in order.peek(k - len(landing)))
         copy = t.duplicate[victims].tolist()
         queued: tuple[deque[int], deque[int]] = (deque(), deque())  # victims in DRAM by now: copies, rest
@@ -246,7 +245,7 @@ class TieredBlocks:
         dram_slot = t.slot_of(block_id)
         key = t.key(block_id)
         if device.allocator.num_free > 0:
-            [slot] = device.allocator.allocate(1)
+            [slot] = device.allocator.allocate(1).tolist()
             copy_slot(dram, dram_slot, device, slot)
             dst = np.array([slot], dtype=np.int64)
             t.move(src, dst)

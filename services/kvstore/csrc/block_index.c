@@ -62,29 +62,40 @@ int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n,
     return missing;
 }
 
-// The index of the first key equal to an earlier one of keys, or -1 (-2: out of memory). Uses
-// a table of its own, at least twice n places, made and freed here (small, so cache-resident).
-int64_t block_index_first_repeat(const uint64_t* keys, int64_t n) {
+// out[i] = row of keys[i], or -1, as block_index_lookup. Returns how many keys are here;
+// -(i + 1) when key i repeats an earlier one of keys (out is then partly written); INT64_MIN when
+// out of memory. Repeats are found with a table of its own, at least twice n places, made and
+// freed here (small, so cache-resident): a put's check and look-up in one pass.
+int64_t block_index_lookup_unique(const uint64_t* keys, int64_t n, const uint64_t* tk, const int32_t* tr,
+                                  uint64_t mask, int64_t* out) {
     uint64_t places = 16;
     while (places < 2 * (uint64_t)n) places <<= 1;
-    uint64_t mask = places - 1;
+    uint64_t seen_mask = places - 1;
     uint64_t* sk = malloc(places * 2 * sizeof(uint64_t));
     uint8_t* used = calloc(places, 1);
-    int64_t repeat = -1;
-    if (!sk || !used) { repeat = -2; goto done; }
-    for (int64_t i = 0; i < n && repeat < 0; i++) {
+    int64_t result = 0;
+    if (!sk || !used) { result = INT64_MIN; goto done; }
+    for (int64_t i = 0; i < n; i++) {
         uint64_t a = keys[2 * i], b = keys[2 * i + 1];
-        uint64_t p = mix(a, b) & mask;
+        uint64_t h = mix(a, b);
+        uint64_t p = h & seen_mask;
         for (;;) {
             if (!used[p]) { sk[2 * p] = a; sk[2 * p + 1] = b; used[p] = 1; break; }
-            if (sk[2 * p] == a && sk[2 * p + 1] == b) { repeat = i; break; }
+            if (sk[2 * p] == a && sk[2 * p + 1] == b) { result = -(i + 1); goto done; }
+            p = (p + 1) & seen_mask;
+        }
+        p = h & mask;
+        for (;;) {
+            int32_t r = tr[p];
+            if (r < 0) { out[i] = -1; break; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) { out[i] = r; result++; break; }
             p = (p + 1) & mask;
         }
     }
 done:
     free(sk);
     free(used);
-    return repeat;
+    return result;
 }
 
 // Remove keys; returns how many were not present.
