@@ -46,6 +46,9 @@ def require_profile(m: pb.HashProfile, expected: HashProfile) -> None:
         raise InvalidArgument(f"hash profile mismatch: {reason}")
 
 
+_PACKED_HASH = np.dtype((np.uint64, (2,)))  # one hash as the store keys it: frombuffer gives [n, 2]
+
+
 def hashes_from_pb(raw: bytes, limit: int) -> np.ndarray:
     """A request's block hashes (one bytes field, 16 bytes each) as [n, 2] uint64, no copy."""
     n, extra = divmod(len(raw), HASH_BYTES)
@@ -54,7 +57,7 @@ def hashes_from_pb(raw: bytes, limit: int) -> np.ndarray:
                               f"{HASH_BYTES}-byte hashes (hash {n} has {extra} bytes)")
     if n > limit:
         raise InvalidArgument(f"too many blocks in one request: {n} > {limit}")
-    return np.frombuffer(raw, np.uint64).reshape(n, 2)
+    return np.frombuffer(raw, _PACKED_HASH)  # [n, 2]
 
 
 def hashes_to_pb(hashes: Sequence[bytes]) -> bytes:

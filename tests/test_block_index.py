@@ -79,3 +79,22 @@ def test_a_prefix_stops_at_the_first_block_missing_or_uncommitted_and_refuses_a_
     assert index.prefix(pack([_key(0), _key(1), _key(0)]), committed) is None
     assert index.prefix(pack([_key(0), _key(3), _key(0)]), committed).tolist() == [4]  # the repeat is past it
     assert index.prefix(pack([]), committed).tolist() == []
+
+
+@pytest.mark.parametrize("kind", [NativeBlockIndex, DictBlockIndex])
+def test_a_long_prefix_stops_where_its_chain_does_across_the_look_up_chunks(kind):
+    """The C look-ups go 16 keys at a time: a prefix ends at the first block missing, uncommitted
+    or repeated, wherever that falls among the chunks."""
+    index = kind(64)
+    keys = [_key(i) for i in range(40)]
+    index.insert(pack(keys), np.arange(40))
+    committed = np.ones(64, np.bool_)
+    assert index.prefix(pack(keys), committed).tolist() == list(range(40))
+    committed[20] = False
+    assert index.prefix(pack(keys), committed).tolist() == list(range(20))
+    assert index.prefix(pack([*keys[:33], keys[3], *keys[33:]]), np.ones(64, np.bool_)) is None  # key 33 repeats 3
+    assert index.prefix(pack([*keys[:17], _key(99), keys[0]]), np.ones(64, np.bool_)).tolist() == list(range(17))
+    assert index.prefix(pack([keys[16]] * 2), np.ones(64, np.bool_)) is None
+    rows, found = index.lookup_unique(pack([*keys[30:], _key(99), *keys[:20]]))
+    assert (rows.tolist(), found) == ([*range(30, 40), -1, *range(20)], 30)
+    assert index.lookup_unique(pack([*keys[:18], keys[17]])) is None

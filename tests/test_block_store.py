@@ -54,7 +54,7 @@ def test_an_all_new_put_answers_its_slots_as_columns_spilling_to_dram():
     assert _keys(store, slots.rows) == hashes
     assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24, dram, dram + 8]
     assert slots.tiers == [DEVICE] * 4 + [DRAM] * 2
-    assert slots.states.tolist() == [SlotState.WRITE] * 6
+    assert list(slots.states) == [SlotState.WRITE] * 6
     assert store.blocks.slot_ref(int(slots.rows[5]), SlotState.WRITE) == (hashes[5], 5, dram + 8, DRAM, SlotState.WRITE)
     assert [(store.block(h).pins, store.block(h).committed) for h in hashes] == [(1, False)] * 6
     assert _keys(store, lease.pinned) == hashes
@@ -80,7 +80,7 @@ def test_a_put_of_present_pending_and_new_blocks_and_a_tail():
     store.commit(first.lease_id, [_h(1)])  # 1 committed, 2 still being written by r1
     lease, slots = store.allocate_put([_h(1), _h(2), _h(3)], b"tail:r2", 0, "r2", hold_ms=1000)
     assert _keys(store, slots.rows) == [_h(1), _h(2), _h(3), b"tail:r2"]
-    assert slots.states.tolist() == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
+    assert list(slots.states) == [SlotState.PRESENT, SlotState.PENDING, SlotState.WRITE, SlotState.WRITE]
     assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24]
     assert store.block(b"tail:r2").is_tail and not store.block(_h(3)).is_tail
     hold = store.leases.get(lease.hold_id)
@@ -106,7 +106,7 @@ def test_a_get_pins_the_longest_committed_prefix_and_answers_its_columns():
     assert tail is None
     assert _keys(store, slots.rows) == hashes[:5]
     assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24, dram]
-    assert slots.tiers == [DEVICE] * 4 + [DRAM] and slots.states.tolist() == [SlotState.PRESENT] * 5
+    assert slots.tiers == [DEVICE] * 4 + [DRAM] and list(slots.states) == [SlotState.PRESENT] * 5
     assert _keys(store, lease.pinned) == hashes[:5]
     assert [store.block(h).pins for h in hashes] == [1] * 6  # the sixth: its writer's pin
     assert [store.block(h).promote_on_release for h in hashes[:5]] == [False] * 4 + [True]
@@ -199,3 +199,39 @@ def test_a_store_that_turns_over_leaves_clean_rows_and_sheds_its_dead_order_item
     assert len(store.evictable[DEVICE]) == 16 and len(store.evictable[DRAM]) == 4
     queued = sum(len(ids) for order in store.evictable.values() for q in order._queues for ids, _ in q)
     assert queued <= 2 * (2 * 20 + SHED_AFTER)
+
+
+def test_the_servicer_answers_slot_columns_in_the_wires_codes():
+    """A control call's answer as the client reads it: packed addresses, and a tier and a state
+    byte per slot in the protocol's codes (not the store's own)."""
+    from pdserve.bench.kvstore_bench import _layouts
+    from pdserve.kv.store_client import slots_from_pb
+    from pdserve.v1 import kvstore_pb2 as pb
+    from pdserve.wire import profile_to_pb
+    from services.kvstore.servicer import KVStoreServicer
+
+    profile = _layouts(16)["tiny"]
+    store = BlockStore(TierMemory("device", 4, NBYTES), TierMemory("dram", 4, NBYTES))
+    servicer = KVStoreServicer(store, profile, "seg", "host", max_blocks=16)
+    dev, dram = store.tiers[DEVICE].base_address, store.tiers[DRAM].base_address
+
+    def call(**kw) -> pb.ControlResponse:
+        answer = servicer.control(pb.ControlRequest(call_id=7, **kw))
+        assert (answer.call_id, answer.status_code) == (7, 0), answer.status_message
+        return answer
+
+    first = call(allocate_put=dict(profile=profile_to_pb(profile), block_hashes=b"".join(map(_h, range(3)))))
+    call(commit_put=dict(lease_id=first.allocate_put.lease_id))
+    put = call(allocate_put=dict(profile=profile_to_pb(profile), block_hashes=b"".join(map(_h, range(6)))))
+    slots = slots_from_pb(put.allocate_put.slots)
+    assert slots.addresses.tolist() == [dev, dev + 8, dev + 16, dev + 24, dram, dram + 8]
+    assert list(slots.tiers) == [pb.TIER_DEVICE] * 4 + [pb.TIER_DRAM] * 2
+    assert list(slots.states) == [pb.SLOT_STATE_PRESENT] * 3 + [pb.SLOT_STATE_WRITE] * 3
+    call(commit_put=dict(lease_id=put.allocate_put.lease_id))
+    got = call(get=dict(profile=profile_to_pb(profile), block_hashes=_h(4) + _h(0) + _h(7)))
+    slots = slots_from_pb(got.get.slots)
+    assert slots.addresses.tolist() == [dram, dev] and list(slots.tiers) == [pb.TIER_DRAM, pb.TIER_DEVICE]
+    assert list(slots.states) == [pb.SLOT_STATE_PRESENT] * 2
+    bad = servicer.control(pb.ControlRequest(call_id=8, get=dict(profile=profile_to_pb(profile),
+                                                                  block_hashes=b"x" * 17)))
+    assert bad.status_code == 3 and "17 bytes is not a whole number of 16-byte hashes" in bad.status_message

@@ -83,10 +83,11 @@ class SlotColumns(Sequence[SlotInfo]):
 
 
 def slots_from_pb(m: pb.SlotList) -> SlotColumns:
-    if not len(m.addresses) == 8 * len(m.tiers) == 8 * len(m.states):
-        raise ValueError(f"malformed slot list from the store: {len(m.addresses)} bytes of addresses (8 each), "
-                         f"{len(m.tiers)} tiers, {len(m.states)} states")
-    return SlotColumns(np.frombuffer(m.addresses, "<u8"), m.tiers, m.states)
+    addresses, tiers, states = m.addresses, m.tiers, m.states  # (each read of a field makes a copy)
+    if not len(addresses) == 8 * len(tiers) == 8 * len(states):
+        raise ValueError(f"malformed slot list from the store: {len(addresses)} bytes of addresses (8 each), "
+                         f"{len(tiers)} tiers, {len(states)} states")
+    return SlotColumns(np.frombuffer(addresses, "<u8"), tiers, states)
 
 
 def slot_from_pb(m: pb.Slot) -> SlotInfo:

@@ -11,6 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 DEVICE, DRAM = "device", "dram"
+TIER_CODE = {DEVICE: 1, DRAM: 2}  # a tier as one byte (Slots.tier_codes)
+TIER_NAME = {code: name for name, code in TIER_CODE.items()}
 NO_ROWS = np.empty(0, np.int64)  # no block ids (never changed in place: arrays are replaced)
 NO_ROWS.flags.writeable = False
 
@@ -31,25 +33,26 @@ class SlotRef(NamedTuple):  # one block's slot (a tail, a watched block); calls 
 
 @dataclass(slots=True)
 class Slots:
-    """The slots of one call's blocks, as numpy columns (entry i is block i): a put or get of
-    hundreds of blocks builds them, and they go out, without an object per block."""
+    """The slots of one call's blocks, as columns (entry i is block i): a put or get of
+    hundreds of blocks builds them, and they go out, without an object per block. The one-byte
+    columns are bytes, as they go out."""
 
     rows: np.ndarray  # int64 block ids (see table.py): true while the call's lease pins them
-    addresses: np.ndarray  # uint64
-    in_dram: np.ndarray  # bool: in the DRAM tier, else the device tier
-    states: np.ndarray  # uint8 SlotState values
+    addresses: np.ndarray  # little-endian uint64
+    tier_codes: bytes  # TIER_CODE[tier] per block
+    states: bytes  # a SlotState value per block
 
     @classmethod
     def of(cls, refs: list[SlotRef]) -> Slots:
-        return cls(np.array([r.row for r in refs], np.int64), np.array([r.address for r in refs], np.uint64),
-                   np.array([r.tier == DRAM for r in refs], np.bool_), np.array([r.state for r in refs], np.uint8))
+        return cls(np.array([r.row for r in refs], np.int64), np.array([r.address for r in refs], "<u8"),
+                   bytes(TIER_CODE[r.tier] for r in refs), bytes(r.state for r in refs))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
     def tiers(self) -> list[str]:
-        return [DRAM if d else DEVICE for d in self.in_dram.tolist()]
+        return [TIER_NAME[c] for c in self.tier_codes]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
+from services.kvstore.entries import TIER_NAME
 from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, Slots, SlotState
 from services.kvstore.views import tier_stats
 
@@ -23,10 +24,9 @@ log = logs.get("kvstore")
 _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
-# The same, as look-up tables for a column at once: a tier column (in DRAM?) and a state one.
-_TIER_CODES = np.array([pb.TIER_DEVICE, pb.TIER_DRAM], np.uint8)
-_STATE_CODES = np.zeros(max(_STATE) + 1, np.uint8)
-_STATE_CODES[list(_STATE)] = list(_STATE.values())
+# The same for a whole column of one-byte codes at once (bytes.translate tables).
+_TIER_TABLE = bytes(_TIER[TIER_NAME[i]] if i in TIER_NAME else 0 for i in range(256))
+_STATE_TABLE = bytes(_STATE[SlotState(i)] if i in SlotState._value2member_map_ else 0 for i in range(256))
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
 # Control socket: the oneof field of each call (also its handler here) -> its unary RPC's name.
 _CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
@@ -40,9 +40,8 @@ def _slot_pb(ref: SlotRef) -> pb.Slot:
 def _slots_fields(slots: Slots) -> dict:
     """A SlotList's fields, each column as one bytes object (a message is built once, where it
     goes: building one and then placing it in another copies it)."""
-    return {"addresses": slots.addresses.astype("<u8", copy=False).tobytes(),
-            "tiers": _TIER_CODES[slots.in_dram.view(np.uint8)].tobytes(),
-            "states": _STATE_CODES[slots.states].tobytes()}
+    return {"addresses": slots.addresses.tobytes(), "tiers": slots.tier_codes.translate(_TIER_TABLE),
+            "states": slots.states.translate(_STATE_TABLE)}
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -184,7 +183,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if lease.lease_id in self.store.leases:
                 self.store.release(lease.lease_id)  # reclaim what was never committed
             raise
-        written = int(np.count_nonzero(refs.states == SlotState.WRITE))
+        written = refs.states.count(SlotState.WRITE)
         if lease.lease_id in self.store.leases:
             self.store.commit(lease.lease_id, tail_ttl_ms=h.tail_lease_ms)
         return pb.PutBytesResponse(written=written, already_present=len(refs) - written)

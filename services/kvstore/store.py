@@ -26,6 +26,7 @@ from services.kvstore.tiers import TieredBlocks
 from services.kvstore.watches import Watches
 
 __all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "Slots", "SlotState"]
+_WRITE, _PRESENT = bytes([SlotState.WRITE]), bytes([SlotState.PRESENT])  # a column of n: times n
 
 
 class BlockStore:
@@ -105,7 +106,7 @@ class BlockStore:
         lease.pinned = rows
         if present is None:
             all_rows = rows
-            out = Slots(rows, t.address[rows], rows >= t.split, np.full(len(rows), SlotState.WRITE, np.uint8))
+            out = t.slots(rows, _WRITE * len(rows))
         else:
             found[~here] = rows[: len(new_packed)]
             all_rows = np.concatenate([found, rows[len(new_packed):]])  # (the tail's, if any)
@@ -113,7 +114,7 @@ class BlockStore:
         if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
             hold = self.leases.new("hold", hold_ms, request_id)
             hold.hold_s = hold_ms / 1000
-            held = out.states[: len(packed)] != SlotState.PENDING
+            held = np.frombuffer(out.states, np.uint8, len(packed)) != SlotState.PENDING
             hold.held, hold.held_keys = all_rows[: len(packed)][held], packed[held]
             self.blocks.pin(hold.held)
             lease.hold_id = hold.lease_id
@@ -130,7 +131,7 @@ class BlockStore:
                 self.blocks.keep(kept)
         new = np.concatenate([new, np.ones(len(rows) - len(new), np.bool_)])  # a tail is always new
         states = np.where(new, SlotState.WRITE, np.where(t.committed[rows], SlotState.PRESENT, SlotState.PENDING))
-        return Slots(rows, t.address[rows], rows >= t.split, states.astype(np.uint8))
+        return t.slots(rows, states.astype(np.uint8).tobytes())
 
     def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
                tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -197,12 +198,12 @@ class BlockStore:
         counters.misses += len(hashes) - n
         self.index.looked_up(n, len(hashes) - n)
         if not n and tail == NO_BLOCK:
-            return None, Slots(rows, t.address[rows], rows >= t.split, np.empty(0, np.uint8)), None
+            return None, t.slots(rows, b""), None
         lease = self.leases.new("read", lease_ms, request_id)
         n_dram = self._pin_for_read(lease, rows)
         counters.tier_hits[DEVICE] += n - n_dram
         counters.tier_hits[DRAM] += n_dram
-        slots = Slots(rows, t.address[rows], rows >= t.split, np.full(n, SlotState.PRESENT, np.uint8))
+        slots = t.slots(rows, _PRESENT * n)
         if tail == NO_BLOCK:
             return lease, slots, None
         self._pin_for_read(lease, np.array([tail], np.int64))

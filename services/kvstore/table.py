@@ -16,7 +16,7 @@ import numpy as np
 from pdserve.errors import InvalidArgument
 from pdserve.kv.hashing import HASH_BYTES
 from services.kvstore.block_index import NativeBlockIndex, library, make_index
-from services.kvstore.entries import DEVICE, DRAM
+from services.kvstore.entries import DEVICE, DRAM, TIER_CODE, Slots
 from services.kvstore.memory import TierMemory
 
 NO_BLOCK = -1
@@ -58,6 +58,27 @@ class Hashes(Sequence[bytes]):
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(unpack(self.packed))
+
+
+class RowTiers(Sequence[str]):
+    """Rows' tiers, each worked out when it is read (see `Hashes`)."""
+
+    __slots__ = ("rows", "split")
+
+    def __init__(self, rows: np.ndarray, split: int):
+        self.rows, self.split = rows, split
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(RowTiers(self.rows[i], self.split))
+        return DEVICE if self.rows[i] < self.split else DRAM
+
+    def __iter__(self) -> Iterator[str]:
+        split = self.split
+        return (DEVICE if r < split else DRAM for r in self.rows.tolist())
 
 
 class BlockView(NamedTuple):
@@ -110,9 +131,12 @@ class BlockTable:
         self._columns = {name: getattr(self, name).ctypes.data for name in (
             "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_groups", "_counts")}
         nbytes = device.block_nbytes
-        self.address = np.concatenate([  # uint64: device (CUDA) and host addresses alike
-            np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * np.uint64(nbytes),
-            np.uint64(dram.base_address) + np.arange(n - self.split, dtype=np.uint64) * np.uint64(nbytes)])
+        step = np.uint64(nbytes)
+        self.address = np.concatenate([  # little-endian uint64 (as answers carry them): device and host alike
+            np.uint64(device.base_address) + np.arange(self.split, dtype=np.uint64) * step,
+            np.uint64(dram.base_address) + np.arange(n - self.split, dtype=np.uint64) * step]).astype("<u8")
+        codes = np.array([TIER_CODE[DEVICE], TIER_CODE[DRAM]], np.uint8)
+        self.tier_code = np.repeat(codes, [self.split, n - self.split])  # each row's tier, as one byte
 
     def __contains__(self, key: bytes) -> bool:
         return self.row(key) != NO_BLOCK
@@ -146,10 +170,13 @@ class BlockTable:
     def tier_range(self, tier: str) -> slice:
         return slice(0, self.split) if tier == DEVICE else slice(self.split, self.size)
 
-    def tiers_of(self, block_ids: np.ndarray) -> list[str]:
-        if not len(block_ids) or block_ids.max() < self.split:
-            return [DEVICE] * len(block_ids)
-        return [DEVICE if i < self.split else DRAM for i in block_ids.tolist()]
+    def slots(self, block_ids: np.ndarray, states: bytes) -> Slots:
+        """The answer's columns for these rows."""
+        return Slots(block_ids, self.address[block_ids], self.tier_code[block_ids].tobytes(), states)
+
+    def tiers_of(self, block_ids: np.ndarray) -> Sequence[str]:
+        """Each row's tier, worked out as it is read (a commit hands them on to the index like this)."""
+        return RowTiers(block_ids, self.split)
 
     def pin(self, block_ids: np.ndarray, for_read: bool) -> tuple[int, int, int]:
         """One more pin on each row; a row queued in an eviction order leaves it. for_read: a
