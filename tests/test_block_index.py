@@ -98,3 +98,25 @@ def test_a_long_prefix_stops_where_its_chain_does_across_the_look_up_chunks(kind
     rows, found = index.lookup_unique(pack([*keys[30:], _key(99), *keys[:20]]))
     assert (rows.tolist(), found) == ([*range(30, 40), -1, *range(20)], 30)
     assert index.lookup_unique(pack([*keys[:18], keys[17]])) is None
+
+
+def test_the_c_functions_check_their_arguments_before_reading_them():
+    """The extension module reads a call's keys and rows from buffers: too short, not contiguous,
+    or too few arguments is a Python error, never a read past the end."""
+    from services.kvstore.block_index import library
+
+    lib, index = library(), NativeBlockIndex(8)
+    out = np.empty(8, np.int64)
+    keys = pack([_key(1), _key(2)])
+    with pytest.raises(ValueError, match=r"block_index_lookup: argument 0 holds 32 bytes, 48 needed for 3"):
+        lib.block_index_lookup(keys, 3, *index._table, out)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        lib.block_index_lookup(np.zeros((2, 4), np.uint64)[:, ::2], 2, *index._table, out)
+    with pytest.raises(ValueError, match="rows_queue: argument 0 holds 8 bytes, 16 needed"):
+        lib.rows_queue(np.zeros(1, np.int64), 2, 0, 0, 0, 1, 0, 0)
+    with pytest.raises(TypeError, match=r"block_index_remove takes 5 arguments \(2 given\)"):
+        lib.block_index_remove(keys, 2)
+    with pytest.raises(ValueError, match="a negative count"):
+        lib.block_index_lookup(keys, -1, *index._table, out)
+    lib.block_index_lookup(keys, 2, *index._table, out)
+    assert out[:2].tolist() == [-1, -1]

@@ -9,19 +9,19 @@ with a warning in the log.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
 
 from pdserve import logs
-from pdserve.native import NativeUnavailable, build
+from pdserve.native import NativeUnavailable, build_module
 
 log = logs.get("kvstore.index")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("block_index.c", "block_rows.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("block_index.c", "block_rows.c", "module.c")]
 _NONE = -1
 _OUT_OF_MEMORY = -(2**63)  # block_index_lookup_unique's INT64_MIN
 
@@ -53,36 +53,24 @@ class BlockIndex(Protocol):
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The store's C library (this index, and the table's row loops: csrc/block_rows.c)."""
-    lib = build("kvstore", SOURCES, ["-O2", "-fPIC", "-std=gnu11"], ["-shared"])
-    ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
-    lib.block_index_prefix.argtypes = [ptr, i64, ptr, ptr, u64, ptr, ptr, ptr]
-    lib.block_index_prefix.restype = i64
-    lib.rows_pin.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
-    lib.rows_pin.restype = None
-    lib.rows_queue.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr]
-    lib.rows_queue.restype = i64
-    lib.rows_commit_queue.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
-    lib.rows_commit_queue.restype = i64
-    lib.rows_unpin_queue.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
-    lib.rows_unpin_queue.restype = i64
-    lib.block_index_lookup.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
-    lib.block_index_lookup.restype = None
-    lib.block_index_insert.argtypes = [ptr, ptr, i64, ptr, ptr, u64]
-    lib.block_index_insert.restype = i64
-    lib.block_index_update.argtypes = [ptr, ptr, i64, ptr, ptr, u64]
-    lib.block_index_update.restype = i64
-    lib.block_index_remove.argtypes = [ptr, i64, ptr, ptr, u64]
-    lib.block_index_remove.restype = i64
-    lib.block_index_lookup_unique.argtypes = [ptr, i64, ptr, ptr, u64, ptr]
-    lib.block_index_lookup_unique.restype = i64
-    return lib
+def library() -> ModuleType:
+    """The store's C functions (this index, and the table's row loops: csrc/block_rows.c), as the
+    extension module csrc/module.c makes of them (see there for how arguments are passed)."""
+    return build_module("_kvstore", SOURCES, ["-O2", "-fPIC", "-std=gnu11"])
 
 
 def _places(n: int) -> int:
     """A table of at least twice n places, a power of two (probes stay short)."""
     return max(16, 1 << (2 * max(n, 1) - 1).bit_length())
+
+
+def as_keys(keys: np.ndarray) -> np.ndarray:
+    """Keys as the C functions read them: C-contiguous uint64 (most are already: then as they are)."""
+    return keys if keys.dtype == np.uint64 and keys.flags.c_contiguous else np.ascontiguousarray(keys, np.uint64)
+
+
+def as_rows(rows: np.ndarray) -> np.ndarray:
+    return rows if rows.dtype == np.int64 and rows.flags.c_contiguous else np.ascontiguousarray(rows, np.int64)
 
 
 class NativeBlockIndex:
@@ -94,7 +82,8 @@ class NativeBlockIndex:
         self._mask = places - 1
         self._keys = np.zeros((places, 2), np.uint64)
         self._rows = np.full(places, _NONE, np.int32)
-        # The arrays never move: their addresses are taken once (each `.ctypes.data` costs a µs).
+        # The arrays never move: their addresses are taken once (each `.ctypes.data` costs a µs hot,
+        # tens cold); a call's own arrays go to the C functions as buffers.
         self._table = (self._keys.ctypes.data, self._rows.ctypes.data, self._mask)
         self._marks = np.zeros(capacity, np.uint8)  # one per row, for `prefix`
         self._out = np.empty(max(capacity, 1), np.int64)  # answers are written here, then copied out
@@ -106,9 +95,8 @@ class NativeBlockIndex:
         return self._count
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
-        keys = np.ascontiguousarray(keys, np.uint64)
         out, out_ptr = self._answer(len(keys))
-        self._lib.block_index_lookup(keys.ctypes.data, len(keys), *self._table, out_ptr)
+        self._lib.block_index_lookup(as_keys(keys), len(keys), *self._table, out_ptr)
         return out[: len(keys)].copy()
 
     def _answer(self, n: int) -> tuple[np.ndarray, int]:
@@ -117,46 +105,49 @@ class NativeBlockIndex:
         if n <= len(self._out):
             return self._out, self._buffers[1]
         out = np.empty(n, np.int64)
-        return out, out.ctypes.data
+        return out, out
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
         if self._count + len(keys) > self.capacity:
             raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
-        tk, tr, mask = self._table
-        done = self._lib.block_index_insert(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
+        done = self._lib.block_index_insert(as_keys(keys), as_rows(rows), len(keys), *self._table)
+        self._count += done
+        if done != len(keys):
+            raise RuntimeError(f"block index: key {done} of an insert is already indexed")
+
+    def insert_rows(self, keys: np.ndarray, rows: np.ndarray, columns: tuple[int, int, int, int, bool]) -> None:
+        """`insert`, and in the same C pass the block table's columns for those rows: `columns`
+        is (its keys' address, its pins', the pin count to set, its copy flags', set them?)."""
+        if self._count + len(keys) > self.capacity:
+            raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
+        key_col, pins, pin, dup_col, dup = columns
+        done = self._lib.block_index_add_rows(as_keys(keys), as_rows(rows), len(keys), *self._table, key_col, pins, pin,
+                                              dup_col, int(dup))
         self._count += done
         if done != len(keys):
             raise RuntimeError(f"block index: key {done} of an insert is already indexed")
 
     def update(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        keys, rows32 = np.ascontiguousarray(keys, np.uint64), rows.astype(np.int32)
-        tk, tr, mask = self._table
-        missing = self._lib.block_index_update(keys.ctypes.data, rows32.ctypes.data, len(keys), tk, tr, mask)
+        missing = self._lib.block_index_update(as_keys(keys), as_rows(rows), len(keys), *self._table)
         if missing:
             raise RuntimeError(f"block index: {missing} keys to update are not indexed")
 
     def remove(self, keys: np.ndarray) -> None:
-        keys = np.ascontiguousarray(keys, np.uint64)
-        tk, tr, mask = self._table
-        missing = self._lib.block_index_remove(keys.ctypes.data, len(keys), tk, tr, mask)
+        missing = self._lib.block_index_remove(as_keys(keys), len(keys), *self._table)
         self._count -= len(keys) - missing
         if missing:
             raise RuntimeError(f"block index: {missing} keys to remove are not indexed")
 
     def lookup_unique(self, keys: np.ndarray) -> tuple[np.ndarray, int] | None:
-        keys = np.ascontiguousarray(keys, np.uint64)
         out, out_ptr = self._answer(len(keys))
-        found = self._lib.block_index_lookup_unique(keys.ctypes.data, len(keys), *self._table, out_ptr)
+        found = self._lib.block_index_lookup_unique(as_keys(keys), len(keys), *self._table, out_ptr)
         if found == _OUT_OF_MEMORY:
             raise MemoryError(f"block index: no memory to look for repeats among {len(keys)} keys")
         return (out[: len(keys)].copy(), found) if found >= 0 else None
 
     def prefix(self, keys: np.ndarray, committed: np.ndarray) -> np.ndarray | None:
-        keys = np.ascontiguousarray(keys, np.uint64)
         out, out_ptr = self._answer(len(keys))
-        n = self._lib.block_index_prefix(keys.ctypes.data, len(keys), *self._table, committed.ctypes.data,
-                                         self._buffers[0], out_ptr)
+        n = self._lib.block_index_prefix(as_keys(keys), len(keys), *self._table, committed, self._buffers[0], out_ptr)
         return out[:n].copy() if n >= 0 else None
 
 
@@ -219,6 +210,6 @@ def make_index(capacity: int) -> BlockIndex:
     """The C index, or, where it cannot be built, the dict one (logged: it is slower)."""
     try:
         return NativeBlockIndex(capacity)
-    except (NativeUnavailable, OSError) as e:
+    except (NativeUnavailable, OSError, ImportError) as e:
         log.warning("block index: the C index is unavailable, using a dict (slower per block)", error=str(e))
         return DictBlockIndex(capacity)

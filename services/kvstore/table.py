@@ -15,7 +15,7 @@ import numpy as np
 
 from pdserve.errors import InvalidArgument
 from pdserve.kv.hashing import HASH_BYTES
-from services.kvstore.block_index import NativeBlockIndex, library, make_index
+from services.kvstore.block_index import NativeBlockIndex, as_rows, library, make_index
 from services.kvstore.entries import DEVICE, DRAM, TIER_CODE, Slots
 from services.kvstore.memory import TierMemory
 
@@ -129,7 +129,7 @@ class BlockTable:
         self._freed, self._groups = np.empty(max(n, 1), np.int64), np.empty(4 * max(n, 1), np.int64)
         self._counts = np.empty(5, np.int64)
         self._columns = {name: getattr(self, name).ctypes.data for name in (
-            "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_groups", "_counts")}
+            "keys", "pins", "committed", "duplicate", "is_tail", "promote", "stamp", "_freed", "_groups", "_counts")}
         nbytes = device.block_nbytes
         step = np.uint64(nbytes)
         self.address = np.concatenate([  # little-endian uint64 (as answers carry them): device and host alike
@@ -183,8 +183,8 @@ class BlockTable:
         DRAM row that is no tail is marked for promotion. Returns (rows that left the device
         order, rows that left the DRAM order, rows marked)."""
         if self._lib is not None:
-            rows, c = np.ascontiguousarray(block_ids, np.int64), self._columns
-            self._lib.rows_pin(rows.ctypes.data, len(rows), c["pins"], c["stamp"], self.split, c["is_tail"],
+            rows, c = as_rows(block_ids), self._columns
+            self._lib.rows_pin(rows, len(rows), c["pins"], c["stamp"], self.split, c["is_tail"],
                                c["promote"] if for_read else None, c["_counts"])
             left_device, left_dram, marked = self._counts[:3].tolist()
             return left_device, left_dram, marked
@@ -206,8 +206,8 @@ class BlockTable:
             self.committed[block_ids] = True
             self.pins[block_ids] -= 1
             return self.queue(block_ids[self.pins[block_ids] == 0])
-        rows, n, c, first = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns, self._stamps + 1
-        queued = self._lib.rows_commit_queue(rows.ctypes.data, n, c["committed"], c["pins"], c["stamp"],
+        rows, n, c, first = as_rows(block_ids), len(block_ids), self._columns, self._stamps + 1
+        queued = self._lib.rows_commit_queue(rows, n, c["committed"], c["pins"], c["stamp"],
                                              c["duplicate"], self.split, first, c["_freed"], c["_groups"], c["_counts"])
         self._stamps += queued
         return self._groups_of(queued), first  # (every row freed is queued: a pinned row is in no order)
@@ -225,8 +225,8 @@ class BlockTable:
             if (self.is_tail[freed] | ~self.committed[freed] | self.promote[freed]).any():
                 return freed, None, 0
             return freed, *self.queue(freed)
-        rows, n, c, first = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns, self._stamps + 1
-        m = self._lib.rows_unpin_queue(rows.ctypes.data, n, c["pins"], c["is_tail"], c["committed"], c["promote"],
+        rows, n, c, first = as_rows(block_ids), len(block_ids), self._columns, self._stamps + 1
+        m = self._lib.rows_unpin_queue(rows, n, c["pins"], c["is_tail"], c["committed"], c["promote"],
                                        c["stamp"], c["duplicate"], self.split, first, c["_freed"], c["_groups"],
                                        c["_counts"])
         if m < 0:
@@ -243,8 +243,8 @@ class BlockTable:
         value returned on. (The groups may be the table's buffer: copy what is kept.)"""
         first = self._stamps + 1
         if self._lib is not None:
-            rows, n, c = np.ascontiguousarray(block_ids, np.int64), len(block_ids), self._columns
-            self._stamps += self._lib.rows_queue(rows.ctypes.data, n, c["stamp"], c["duplicate"], self.split, first,
+            rows, n, c = as_rows(block_ids), len(block_ids), self._columns
+            self._stamps += self._lib.rows_queue(rows, n, c["stamp"], c["duplicate"], self.split, first,
                                                  c["_groups"], c["_counts"])
             return self._groups_of(n), first
         fresh = block_ids[self.stamp[block_ids] == 0]
@@ -264,22 +264,22 @@ class BlockTable:
         """New blocks, uncommitted, in rows that hold none: the hashes `packed`, then the tail
         (the last row) if any."""
         n = len(packed)
-        self.index.insert(packed, block_ids[:n])
+        if self._lib is not None:  # the index, and the rows' keys, pins and copy flags, in one C pass
+            c = self._columns
+            self.index.insert_rows(packed, block_ids[:n], (c["keys"], c["pins"], pins, c["duplicate"], duplicate))
+        else:
+            self.index.insert(packed, block_ids[:n])
+            self.keys[block_ids[:n]] = packed
+            self.pins[block_ids[:n]] = pins
+            if duplicate:
+                self.duplicate[block_ids[:n]] = True
         if tail_key is not None:
             row = int(block_ids[n])
             self.tails[tail_key], self.tail_keys[row] = row, tail_key
             self.is_tail[row] = True
-        if len(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1:  # one run: slices
-            first, last = int(block_ids[0]), int(block_ids[-1]) + 1
-            self.keys[first : first + n] = packed
-            self.pins[first:last] = pins
+            self.pins[row] = pins
             if duplicate:
-                self.duplicate[first:last] = True
-        else:
-            self.keys[block_ids[:n]] = packed
-            self.pins[block_ids] = pins
-            if duplicate:
-                self.duplicate[block_ids] = True
+                self.duplicate[row] = True
 
     def clear(self, block_ids: np.ndarray) -> None:
         """Forget the blocks in these rows."""

@@ -30,14 +30,14 @@ void block_index_lookup(const uint64_t* keys, int64_t n, const uint64_t* tk, con
 
 // Insert keys[i] -> rows[i]. Returns n, or the index of the first key already present (nothing
 // after it inserted; those before it are).
-int64_t block_index_insert(const uint64_t* keys, const int32_t* rows, int64_t n, uint64_t* tk,
+int64_t block_index_insert(const uint64_t* keys, const int64_t* rows, int64_t n, uint64_t* tk,
                            int32_t* tr, uint64_t mask) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t a = keys[2 * i], b = keys[2 * i + 1];
         uint64_t p = mix(a, b) & mask;
         for (;;) {
             int32_t r = tr[p];
-            if (r < 0) { tk[2 * p] = a; tk[2 * p + 1] = b; tr[p] = rows[i]; break; }
+            if (r < 0) { tk[2 * p] = a; tk[2 * p + 1] = b; tr[p] = (int32_t)rows[i]; break; }
             if (tk[2 * p] == a && tk[2 * p + 1] == b) return i;
             p = (p + 1) & mask;
         }
@@ -45,8 +45,24 @@ int64_t block_index_insert(const uint64_t* keys, const int32_t* rows, int64_t n,
     return n;
 }
 
+// block_index_insert, and the table's columns (services/kvstore/table.py) set for each row added
+// in the same pass: its key, its pins and, when dup, its copy flag. Returns as block_index_insert.
+int64_t block_index_add_rows(const uint64_t* keys, const int64_t* rows, int64_t n, uint64_t* tk, int32_t* tr,
+                             uint64_t mask, uint64_t* key_col, int32_t* pins, int64_t pin, uint8_t* dup_col,
+                             int64_t dup) {
+    int64_t done = block_index_insert(keys, rows, n, tk, tr, mask);
+    for (int64_t i = 0; i < done; i++) {
+        int64_t r = rows[i];
+        key_col[2 * r] = keys[2 * i];
+        key_col[2 * r + 1] = keys[2 * i + 1];
+        pins[r] = (int32_t)pin;
+        if (dup) dup_col[r] = 1;
+    }
+    return done;
+}
+
 // Set the row of keys present (moves); returns how many were not present.
-int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n, const uint64_t* tk,
+int64_t block_index_update(const uint64_t* keys, const int64_t* rows, int64_t n, const uint64_t* tk,
                            int32_t* tr, uint64_t mask) {
     int64_t missing = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -55,7 +71,7 @@ int64_t block_index_update(const uint64_t* keys, const int32_t* rows, int64_t n,
         for (;;) {
             int32_t r = tr[p];
             if (r < 0) { missing++; break; }
-            if (tk[2 * p] == a && tk[2 * p + 1] == b) { tr[p] = rows[i]; break; }
+            if (tk[2 * p] == a && tk[2 * p + 1] == b) { tr[p] = (int32_t)rows[i]; break; }
             p = (p + 1) & mask;
         }
     }
