@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pdserve import telemetry
-from pdserve.kv.control_frames import FrameError, FrameReader, frame
+from pdserve.kv.control_frames import FrameError, FrameReader, frame, set_fields
 from pdserve.v1 import kvstore_pb2 as pb
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -105,8 +105,11 @@ class ControlChannel:
         conn.pending[call_id] = future
         timer = loop.call_later(timeout_s, _expire, future, name, timeout_s)
         try:
-            conn.transport.write(frame(pb.ControlRequest(
-                call_id=call_id, trace_context=telemetry.current_context(), **{name: request})))
+            trace = telemetry.current_context()
+            message = pb.ControlRequest(call_id=call_id, **{name: set_fields(request)})
+            if trace:
+                message.trace_context.update(trace)
+            conn.transport.write(frame(message))
             response = await future
         finally:
             # However this call ends (answer, error, deadline, cancellation), its entry goes.

@@ -17,6 +17,13 @@ class FrameError(Exception):
     """The byte stream is not a sequence of frames this end accepts: the connection must end."""
 
 
+def set_fields(fields: dict) -> dict:
+    """A message's fields without those at their default (0, "", False, empty): the same proto3
+    message, built faster (upb converts every field it is given: a control call's defaults cost
+    ~20 µs cold on each end)."""
+    return {name: value for name, value in fields.items() if value}
+
+
 def frame(message: Message) -> bytes:
     data = message.SerializeToString()
     return len(data).to_bytes(HEADER_BYTES, "little") + data

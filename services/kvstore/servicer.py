@@ -10,6 +10,7 @@ import structlog
 
 from pdserve import logs, telemetry
 from pdserve.errors import InvalidArgument
+from pdserve.kv.control_frames import set_fields
 from pdserve.kv.layout import HashProfile
 from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
@@ -122,7 +123,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except Exception as e:  # noqa: BLE001 - a failed call is answered; the connection goes on
             code, message = refusal(e, f"control/{method}")
             return pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
-        return pb.ControlResponse(call_id=request.call_id, **{call: result})
+        return pb.ControlResponse(call_id=request.call_id, **{call: set_fields(result)})
 
     async def AllocatePut(self, request, context):
         return pb.AllocatePutResponse(**self.allocate_put(request))
