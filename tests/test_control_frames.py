@@ -27,6 +27,17 @@ def test_frames_come_out_whole_and_in_order_however_the_bytes_are_cut(chunk):
     assert reader.feed(b"") == []  # nothing left over
 
 
+def test_a_read_of_one_whole_frame_comes_back_uncopied_and_the_stream_goes_on():
+    reader = FrameReader()
+    data = frame(pb.ControlRequest(call_id=3, release_lease=dict(lease_id="r1")))
+    [payload] = reader.feed(data)
+    assert isinstance(payload, memoryview) and payload.obj is data  # a view of the read's bytes
+    assert pb.ControlRequest.FromString(payload).release_lease.lease_id == "r1"
+    second = frame(pb.ControlRequest(call_id=4))
+    assert reader.feed(second[:3]) == [] and reader.feed(second[3:] + data[:2]) == [second[4:]]
+    assert [pb.ControlRequest.FromString(p).call_id for p in reader.feed(data[2:])] == [3]
+
+
 def test_an_empty_message_is_a_frame_of_its_own():
     reader = FrameReader()
     assert reader.feed(frame(pb.ControlRequest()) + frame(pb.ControlRequest(call_id=7))[:5]) == [b""]

@@ -36,9 +36,15 @@ class FrameReader:
         self.max_bytes = max_bytes
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """The payloads of the frames `data` completes, in order (none while a frame is partial)."""
+    def feed(self, data: bytes) -> list[bytes | memoryview]:
+        """The payloads of the frames `data` completes, in order (none while a frame is partial).
+        `data` must not change after (it is a read's bytes): one whole frame, the common read,
+        comes back as a view of it, not copied."""
         buffer = self._buffer
+        if not buffer and len(data) > HEADER_BYTES:
+            size = int.from_bytes(data[:HEADER_BYTES], "little")
+            if len(data) == HEADER_BYTES + size and size <= self.max_bytes:
+                return [memoryview(data)[HEADER_BYTES:]]
         buffer += data
         payloads = []
         start = 0
