@@ -16,7 +16,7 @@ from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
-from services.kvstore.entries import TIER_NAME
+from services.kvstore.entries import TIER_CODE
 from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, Slots, SlotState
 from services.kvstore.views import tier_stats
 
@@ -25,9 +25,19 @@ log = logs.get("kvstore")
 _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
-# The same for a whole column of one-byte codes at once (bytes.translate tables).
-_TIER_TABLE = bytes(_TIER[TIER_NAME[i]] if i in TIER_NAME else 0 for i in range(256))
-_STATE_TABLE = bytes(_STATE[SlotState(i)] if i in SlotState._value2member_map_ else 0 for i in range(256))
+
+
+def _translation(codes: dict[int, int]) -> bytes:
+    """A bytes.translate table: the store's one-byte code -> the protocol's."""
+    table = bytearray(256)
+    for ours, theirs in codes.items():
+        table[ours] = theirs
+    return bytes(table)
+
+
+# The same for a whole column of one-byte codes at once (Slots.tier_codes, Slots.states).
+_TIER_TABLE = _translation({TIER_CODE[tier]: code for tier, code in _TIER.items()})
+_STATE_TABLE = _translation(_STATE)
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
 # Control socket: the oneof field of each call (also its handler here) -> its unary RPC's name.
 _CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
