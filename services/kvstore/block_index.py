@@ -107,22 +107,19 @@ class NativeBlockIndex:
         out = np.empty(n, np.int64)
         return out, out
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def insert(self, keys: np.ndarray, rows: np.ndarray,
+               columns: tuple[int, int, int, int, bool] | None = None) -> None:
+        """With `columns`, the block table's columns for those rows are set in the same C pass:
+        (its keys' address, its pins', the pin count to set, its copy flags', set them?)."""
         if self._count + len(keys) > self.capacity:
             raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
-        done = self._lib.block_index_insert(as_keys(keys), as_rows(rows), len(keys), *self._table)
-        self._count += done
-        if done != len(keys):
-            raise RuntimeError(f"block index: key {done} of an insert is already indexed")
-
-    def insert_rows(self, keys: np.ndarray, rows: np.ndarray, columns: tuple[int, int, int, int, bool]) -> None:
-        """`insert`, and in the same C pass the block table's columns for those rows: `columns`
-        is (its keys' address, its pins', the pin count to set, its copy flags', set them?)."""
-        if self._count + len(keys) > self.capacity:
-            raise RuntimeError(f"block index: {self._count} + {len(keys)} keys > capacity {self.capacity}")
-        key_col, pins, pin, dup_col, dup = columns
-        done = self._lib.block_index_add_rows(as_keys(keys), as_rows(rows), len(keys), *self._table, key_col, pins, pin,
-                                              dup_col, int(dup))
+        keys, rows = as_keys(keys), as_rows(rows)
+        if columns is None:
+            done = self._lib.block_index_insert(keys, rows, len(keys), *self._table)
+        else:
+            key_col, pins, pin, dup_col, dup = columns
+            done = self._lib.block_index_add_rows(keys, rows, len(keys), *self._table, key_col, pins, pin, dup_col,
+                                                  int(dup))
         self._count += done
         if done != len(keys):
             raise RuntimeError(f"block index: key {done} of an insert is already indexed")

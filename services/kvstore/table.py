@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.errors import InvalidArgument
 from pdserve.kv.hashing import HASH_BYTES
+from pdserve.wire import hashes_to_pb
 from services.kvstore.block_index import NativeBlockIndex, as_rows, library, make_index
 from services.kvstore.entries import DEVICE, DRAM, TIER_CODE, Slots
 from services.kvstore.memory import TierMemory
@@ -27,10 +27,7 @@ def pack(hashes: np.ndarray | Sequence[bytes]) -> np.ndarray:
     already so passes as it is)."""
     if isinstance(hashes, np.ndarray):
         return hashes
-    data = b"".join(hashes)
-    if len(data) != HASH_BYTES * len(hashes):
-        raise InvalidArgument(f"block hashes must be {HASH_BYTES} bytes each")
-    return np.frombuffer(data, np.uint64).reshape(-1, 2)
+    return np.frombuffer(hashes_to_pb(hashes), np.uint64).reshape(-1, 2)
 
 
 def unpack(packed: np.ndarray) -> list[bytes]:
@@ -266,7 +263,7 @@ class BlockTable:
         n = len(packed)
         if self._lib is not None:  # the index, and the rows' keys, pins and copy flags, in one C pass
             c = self._columns
-            self.index.insert_rows(packed, block_ids[:n], (c["keys"], c["pins"], pins, c["duplicate"], duplicate))
+            self.index.insert(packed, block_ids[:n], (c["keys"], c["pins"], pins, c["duplicate"], duplicate))
         else:
             self.index.insert(packed, block_ids[:n])
             self.keys[block_ids[:n]] = packed
