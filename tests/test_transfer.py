@@ -34,6 +34,26 @@ def test_slices_move_bit_exact_both_ways_and_adjacent_ones_as_one(engines):
     assert b.read(a.segment, []) == 0
 
 
+def test_a_write_has_landed_when_it_returns_however_many_slices_it_takes(engines):
+    """The engine's status call reads only the first task of a batch (and frees the batch once
+    that one is done): a batch of several slices says done while the others still move. So a
+    write is done when every slice is, each in a batch of its own; checked here at once, with
+    nothing between the write's return and the look at the peer's memory."""
+    a, b = engines
+    run, runs = 512 * 1024, 8
+    theirs = torch.zeros(2 * runs * run, dtype=torch.uint8)
+    ours = torch.empty(runs * run, dtype=torch.uint8)
+    a.register(theirs)
+    b.register(ours)
+    # Not adjacent remotely: one slice per run.
+    spans = [Span(ours.data_ptr() + i * run, theirs.data_ptr() + 2 * i * run, run) for i in range(runs)]
+    for value in (1, 2, 3, 4, 5):
+        ours.fill_(value)
+        assert b.write(a.segment, spans) == runs
+        landed = [int((theirs[2 * i * run : (2 * i + 1) * run] == value).sum()) for i in range(runs)]
+        assert landed == [run] * runs
+
+
 def test_a_failed_transfer_raises_with_its_cause(engines):
     a, b = engines
     buf = torch.zeros(1 << 16, dtype=torch.uint8)

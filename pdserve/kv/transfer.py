@@ -105,7 +105,12 @@ class Transfer:
     def _move(self, peer: str, spans: Sequence[Span], write: bool) -> int:
         """Submit each slice as a batch of its own, then poll them, sleeping between polls. The
         engine's sync calls spin on the status for the whole move: a CPU's worth of work that,
-        on a shared core, the engine step or the prefill beside it would lose."""
+        on a shared core, the engine step or the prefill beside it would lose.
+
+        One slice per batch is for correctness, not speed: the engine's status call reads the
+        first task of a batch only (and frees the batch once that one is done), so a batch of
+        several slices reports done while the others still move (measured: 8 x 512 KiB in one
+        batch, "done" with 1.3-2 MiB not yet landed in 29 of 30 writes)."""
         merged = coalesce(spans)
         if not merged:
             return 0
