@@ -235,3 +235,43 @@ def test_the_servicer_answers_slot_columns_in_the_wires_codes():
     bad = servicer.control(pb.ControlRequest(call_id=8, get=dict(profile=profile_to_pb(profile),
                                                                   block_hashes=b"x" * 17)))
     assert bad.status_code == 3 and "17 bytes is not a whole number of 16-byte hashes" in bad.status_message
+
+
+def test_a_commit_held_for_its_answer_is_answered_first_and_done_when_run():
+    """On the control socket a commit's bookkeeping runs after its answer is sent: held, the
+    commit answers its count and closes its lease, and only `run` commits the blocks; outside a
+    held call it all happens at once."""
+    store, index = _store()
+    hashes = [_h(i) for i in range(3)]
+    lease, _ = store.allocate_put(hashes, None, 0, "r1")
+    store.deferred.hold()
+    assert store.commit(lease.lease_id) == (3, True)
+    assert lease.lease_id not in store.leases
+    assert [(store.block(h).pins, store.block(h).committed) for h in hashes] == [(1, False)] * 3
+    assert [e for e in index.events if e[0] == "committed"] == []
+    store.deferred.run()
+    assert [(store.block(h).pins, store.block(h).committed) for h in hashes] == [(0, True)] * 3
+    assert [e[1] for e in index.events if e[0] == "committed"] == hashes
+    lease, _ = store.allocate_put([_h(9)], None, 0, "r2")
+    assert store.commit(lease.lease_id) == (1, True)  # not held: done at once
+    assert (store.block(_h(9)).pins, store.block(_h(9)).committed) == (0, True)
+
+
+def test_held_bookkeeping_runs_in_order_and_one_failure_does_not_stop_the_rest():
+    from services.kvstore.deferred import Deferred
+
+    deferred, ran = Deferred(), []
+
+    def fail():
+        raise RuntimeError("boom")
+
+    deferred(ran.append, 0)  # nothing held: at once
+    deferred.hold()
+    deferred(ran.append, 1)
+    deferred(fail)
+    deferred(ran.append, 2)
+    assert ran == [0]
+    deferred.run()
+    assert ran == [0, 1, 2]
+    deferred.run()  # nothing held: nothing to do
+    assert ran == [0, 1, 2]

@@ -16,7 +16,8 @@ from pdserve.kv.control_frames import FrameReader, frame
 from pdserve.kv.store_client import StoreClient, grpc_host
 from pdserve.launch import free_port
 from pdserve.v1 import kvstore_pb2 as pb
-from tests.kv_peer import block_data, block_hash
+from pdserve.wire import profile_to_pb
+from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import LocalClient, start_store, tier_stats
 
 
@@ -142,6 +143,35 @@ def test_unreadable_frames_end_only_their_connection(small_store):
     c.call(StoreClient.put_bytes, [block_hash(5, 0)], bytes(block_data(5, 0).numpy()))  # no transfer: see above
     s = c.stats()
     assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
+
+
+def test_a_commits_bookkeeping_is_done_before_the_next_frame_is_served(small_store):
+    """A commit is answered first and its bookkeeping (committed, in the eviction order, in the
+    index) runs after, but before the store serves the connection's next frame, even one that
+    came in the same read: a get and an allocate sent with the commit find the blocks stored."""
+    sock, _ = _raw_connection(small_store)
+    profile, hashes = profile_to_pb(PROFILE), b"".join(block_hash(9, i) for i in range(3))
+    sock.sendall(frame(pb.ControlRequest(call_id=1, allocate_put=pb.AllocatePutRequest(
+        profile=profile, block_hashes=hashes))))
+    [alloc] = _answers(sock, 1)
+    assert alloc.allocate_put.slots.states == bytes([pb.SLOT_STATE_WRITE]) * 3
+    sock.sendall(frame(pb.ControlRequest(call_id=2, commit_put=pb.CommitPutRequest(
+                     lease_id=alloc.allocate_put.lease_id)))
+                 + frame(pb.ControlRequest(call_id=3, get=pb.GetRequest(profile=profile, block_hashes=hashes)))
+                 + frame(pb.ControlRequest(call_id=4, allocate_put=pb.AllocatePutRequest(
+                     profile=profile, block_hashes=hashes))))
+    commit, got, again = _answers(sock, 3)
+    assert (commit.commit_put.committed, commit.commit_put.lease_closed) == (3, True)
+    assert got.get.slots.states == bytes([pb.SLOT_STATE_PRESENT]) * 3
+    assert got.get.slots.addresses == alloc.allocate_put.slots.addresses
+    assert again.allocate_put.slots.states == bytes([pb.SLOT_STATE_PRESENT]) * 3
+    sock.sendall(frame(pb.ControlRequest(call_id=5, release_lease=pb.ReleaseLeaseRequest(
+        lease_id=got.get.lease_id))))
+    [released] = _answers(sock, 1)
+    assert (released.release_lease.unpinned, released.release_lease.reclaimed) == (3, 0)
+    sock.close()
+    s = LocalClient(small_store.address).stats()
+    assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 3, "pinned": 0, "evictions": 0}
 
 
 def test_a_client_finds_a_restarted_store_at_its_new_control_port(shared_redis_url, key_prefix):

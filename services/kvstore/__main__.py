@@ -67,7 +67,7 @@ async def main() -> None:
         return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
 
     gc_tuning.tune()  # a store holds an object per block: default collections pause it for long
-    control = ControlSocket(servicer.control)
+    control = ControlSocket(servicer.control, store.deferred)
     servicer.control_port = await control.start(cfg.host, cfg.control_port)
     handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
     stopped = handle.install_signal_handlers()

@@ -10,8 +10,10 @@ around a transfer of a few ms, so that difference is most of its overhead. Every
 same calls to gRPC-only clients.
 
 Calls are served as their frames arrive, synchronously on the event loop (the store is
-single-threaded, its control calls never wait), so a connection's answers come in order. A
-frame that cannot be read has no call id to answer: the connection ends, the store goes on.
+single-threaded, its control calls never wait), so a connection's answers come in order. Each
+answer is sent before the call's deferred bookkeeping runs (services/kvstore/deferred.py), and
+that runs before the next frame is served. A frame that cannot be read has no call id to
+answer: the connection ends, the store goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from google.protobuf.message import DecodeError
 from pdserve import logs
 from pdserve.kv.control_frames import FrameError, FrameReader, frame
 from pdserve.v1 import kvstore_pb2 as pb
+from services.kvstore.deferred import Deferred
 
 log = logs.get("kvstore.control")
 
@@ -31,8 +34,9 @@ Serve = Callable[[pb.ControlRequest], pb.ControlResponse]
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, serve: Serve, open_connections: set[_Connection]):
+    def __init__(self, serve: Serve, deferred: Deferred, open_connections: set[_Connection]):
         self._serve = serve
+        self._deferred = deferred
         self._open = open_connections
         self._frames = FrameReader()
         self.transport: asyncio.Transport | None = None
@@ -48,8 +52,12 @@ class _Connection(asyncio.Protocol):
             log.warning("control connection closed: unreadable frame", peer=self._peer(), error=str(e))
             self.transport.close()
             return
-        if requests:
-            self.transport.write(b"".join(frame(self._serve(r)) for r in requests))
+        for request in requests:
+            self._deferred.hold()
+            try:
+                self.transport.write(frame(self._serve(request)))
+            finally:
+                self._deferred.run()
 
     # A client that stops reading its answers stops being read (its writes back up in its own
     # socket), so the store never buffers without bound for it.
@@ -68,17 +76,20 @@ class _Connection(asyncio.Protocol):
 
 
 class ControlSocket:
-    """Owns the listening socket and the open connections."""
+    """Owns the listening socket and the open connections. `deferred`: the store's, held
+    while a call is served and run once its answer is sent."""
 
-    def __init__(self, serve: Serve):
+    def __init__(self, serve: Serve, deferred: Deferred):
         self._serve = serve
+        self._deferred = deferred
         self._server: asyncio.Server | None = None
         self._open: set[_Connection] = set()
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (port 0: any free one)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self._serve, self._open), host, port)
+        self._server = await loop.create_server(lambda: _Connection(self._serve, self._deferred, self._open),
+                                                host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

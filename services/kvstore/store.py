@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from pdserve.errors import InvalidArgument, NotFound
+from services.kvstore.deferred import Deferred
 from services.kvstore.entries import DEVICE, DRAM, NO_ROWS, Counters, Lease, SlotRef, Slots, SlotState, Watcher
 from services.kvstore.events import IndexSink, NullIndexSink
 from services.kvstore.leases import Leases
@@ -44,6 +45,7 @@ class BlockStore:
         self.leases = Leases(default_lease_s, clock)
         self.held_tails: dict[bytes, float] = {}  # committed tails pinned by their TTL -> when it ends
         self.watchers = Watches()
+        self.deferred = Deferred()  # bookkeeping a control call's answer does not wait for
 
     def block(self, key: bytes) -> BlockView:
         """One block's state (KeyError: not here)."""
@@ -102,7 +104,8 @@ class BlockStore:
                 self.blocks.unpin(present)
         lease = self.leases.new("write", lease_ms, request_id)
         lease.named, lease.tail_key = packed, tail_key
-        t.add(new_packed, rows, pins=1, duplicate=writer_keeps_copy, tail_key=tail_key)  # the writer's pin
+        # The new blocks go in the table after the answer (the slots are the rows' own).
+        self.deferred(t.add, new_packed, rows, 1, writer_keeps_copy, tail_key)  # (pins=1: the writer's)
         lease.pinned = rows
         if present is None:
             all_rows = rows
@@ -116,7 +119,7 @@ class BlockStore:
             hold.hold_s = hold_ms / 1000
             held = np.frombuffer(out.states, np.uint8, len(packed)) != SlotState.PENDING
             hold.held, hold.held_keys = all_rows[: len(packed)][held], packed[held]
-            self.blocks.pin(hold.held)
+            self.deferred(self.blocks.pin, hold.held)
             lease.hold_id = hold.lease_id
         if not len(lease.pinned):
             self.leases.close(lease)
@@ -165,15 +168,11 @@ class BlockStore:
                 blocks = rows[rows != tail]
                 t.committed[tail] = True
                 self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
-        if len(blocks):
-            self.blocks.commit(blocks)
-            self.index.committed(Hashes(t.keys[blocks]), t.tiers_of(blocks))
-        if self.watchers:
-            self._notify(rows.tolist())
         count = len(rows)
+        if count:  # what it wrote and has not committed yet (rows: a part of lease.pinned)
+            lease.pinned = lease.pinned[~np.isin(lease.pinned, rows)] if keys is not None else NO_ROWS
+            self.deferred(self._committed, blocks, rows)
         self.counters.bytes_written += count * self.block_nbytes
-        if count:
-            lease.pinned = lease.pinned[~t.committed[lease.pinned]] if keys is not None else NO_ROWS
         hold = self.leases.get(lease.hold_id)
         if hold is not None:
             hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
@@ -181,6 +180,15 @@ class BlockStore:
         if closed:
             self.leases.close(lease)
         return count, closed
+
+    def _committed(self, blocks: np.ndarray, rows: np.ndarray) -> None:
+        """A commit's bookkeeping, after its answer: the blocks (not a tail) lose their writer's
+        pin and join the eviction order, the index hears of them, their watchers get them."""
+        if len(blocks):
+            self.blocks.commit(blocks)
+            self.index.committed(Hashes(self.table.keys[blocks]), self.table.tiers_of(blocks))
+        if self.watchers:
+            self._notify(rows.tolist())
 
     # -- get -------------------------------------------------------------------------------
     def get(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
@@ -285,18 +293,24 @@ class BlockStore:
         t = self.table
         if lease.kind == "hold":  # (a block its writer failed to write went since: skipped)
             live = lease.held[(t.keys[lease.held] == lease.held_keys).all(axis=1) & ~t.is_tail[lease.held]]
-            self.blocks.unpin(live)
+            self.deferred(self.blocks.unpin, live)
             return len(live), 0
         if lease.kind == "write" and lease.hold_id in self.leases:
             self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
         rows = lease.pinned  # each still here: pinned, so neither evicted nor dropped
         if lease.kind == "write":
-            self.blocks.drop(rows)
+            self.deferred(self.blocks.drop, rows)
             return 0, len(rows)
-        if lease.tail_key is not None and self.held_tails.pop(lease.tail_key, None) is not None:
-            t.pins[t.tails[lease.tail_key]] -= 1  # a per-request tail is read once: consumed, it goes
-        self.blocks.unpin(rows)
+        consumed = lease.tail_key is not None and self.held_tails.pop(lease.tail_key, None) is not None
+        self.deferred(self._unpin_read, rows, t.tails[lease.tail_key] if consumed else NO_BLOCK)
         return len(rows), 0
+
+    def _unpin_read(self, rows: np.ndarray, consumed_tail: int) -> None:
+        """A read lease's release, after its answer. A per-request tail is read once: its TTL
+        pin goes with its reader's, and so does the tail."""
+        if consumed_tail != NO_BLOCK:
+            self.table.pins[consumed_tail] -= 1
+        self.blocks.unpin(rows)
 
     def reap(self) -> int:
         """Lapse leases past their deadline and tails past their TTL; returns how many leases."""
