@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.kv.control_channel import ControlAddress, ControlChannel
 from pdserve.kv.control_frames import FrameReader, frame
 from pdserve.kv.store_client import StoreClient, grpc_host
 from pdserve.launch import free_port
@@ -186,18 +187,52 @@ def test_a_client_finds_a_restarted_store_at_its_new_control_port(shared_redis_u
         async def scenario(client: StoreClient):
             nonlocal store
             assert (await client.pin([block_hash(9, 0)])).lease_id == ""
-            first_port, first_segment = client._control._conn.transport.get_extra_info("peername")[1], client.segment
+            first_address, first_segment = client._control._conn.address, client.segment
             store.stop()
             store = start_store(shared_redis_url, key_prefix + "b", device_blocks=4, dram_blocks=4,
                                 extra=("--port", str(port)))
             await asyncio.sleep(0.2)  # the old connection's end reaches the client
             assert (await client.pin([block_hash(9, 0)])).lease_id == ""
-            new_port = client._control._conn.transport.get_extra_info("peername")[1]
-            assert new_port != first_port and client.segment != first_segment
+            assert first_address.startswith("unix:@pdserve-kvstore-")  # (the same host)
+            assert client._control._conn.address != first_address and client.segment != first_segment
 
         c.call(scenario)
     finally:
         store.stop()
+
+
+def test_a_client_uses_the_stores_unix_socket_where_it_reaches_it_and_tcp_otherwise(shared_redis_url, key_prefix):
+    """On the store's host the control connection is the store's abstract Unix socket. A store
+    started with --control-unix false offers none, and a name the client cannot reach (another
+    host's or container's) leaves it TCP: each way, the same calls are served."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    tcp_only = start_store(shared_redis_url, key_prefix + "t", device_blocks=4, dram_blocks=4,
+                           extra=("--control-unix", "false"))
+    try:
+        async def served(client: StoreClient) -> str:
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.release("r999")
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            return client._control._conn.address
+
+        info = LocalClient(store.address).call(StoreClient.connect)
+        assert info.control_unix_name.startswith("pdserve-kvstore-") and len(info.control_unix_name) == 48
+        assert LocalClient(store.address).call(served) == f"unix:@{info.control_unix_name}"
+        tcp_info = LocalClient(tcp_only.address).call(StoreClient.connect)
+        assert tcp_info.control_unix_name == ""
+        assert LocalClient(tcp_only.address).call(served) == f"127.0.0.1:{tcp_info.control_port}"
+
+        async def unreachable(client: StoreClient) -> str:
+            async def elsewhere() -> ControlAddress:
+                return ControlAddress("127.0.0.1", info.control_port, "pdserve-kvstore-" + "0" * 32)
+            client._control = ControlChannel(elsewhere)
+            return await served(client)
+
+        assert LocalClient(store.address).call(unreachable) == f"127.0.0.1:{info.control_port}"
+    finally:
+        store.stop()
+        tcp_only.stop()
 
 
 def test_a_call_the_store_does_not_answer_in_time_fails_deadline_exceeded(shared_redis_url, key_prefix):

@@ -1,6 +1,7 @@
 """The client end of the store's control socket (services/kvstore/control_socket.py): the
-control calls as frames on one TCP connection per client, opened on first use and reopened
-after a break.
+control calls as frames on one connection per client, opened on first use and reopened after a
+break: the store's Unix socket when it offers one this process can reach (the same host and
+network namespace), else TCP.
 
 Calls from any number of coroutines share the connection: each gets a call id and waits for
 the answer that echoes it. A failed call raises the `grpc.aio.AioRpcError` the unary RPC would
@@ -14,15 +15,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from pdserve import telemetry
+from pdserve import logs, telemetry
 from pdserve.kv.control_frames import FrameError, FrameReader, frame, set_fields
 from pdserve.v1 import kvstore_pb2 as pb
 
+log = logs.get("kv.control")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class ControlAddress:
+    """Where a store's control socket is (from its Info)."""
+
+    host: str
+    port: int
+    unix_name: str = ""  # an abstract Unix socket's name (no leading NUL); "" when none is offered
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -84,9 +96,9 @@ def _expire(future: asyncio.Future, name: str, timeout_s: float) -> None:
 
 
 class ControlChannel:
-    """Owns this client's control connection. `locate` returns the store's (host, control port)."""
+    """Owns this client's control connection. `locate` says where the store's control socket is."""
 
-    def __init__(self, locate: Callable[[], Awaitable[tuple[str, int]]]):
+    def __init__(self, locate: Callable[[], Awaitable[ControlAddress]]):
         self._locate = locate
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future | None = None  # one connect at a time, shared by its callers
@@ -129,11 +141,22 @@ class ControlChannel:
                 self._connecting = None
 
     async def _open(self, timeout_s: float) -> _Connection:
-        host, port = await self._locate()
-        address = f"{host}:{port}"
+        where = await self._locate()
+        loop = asyncio.get_running_loop()
+        if where.unix_name:
+            address = f"unix:@{where.unix_name}"
+            try:
+                _, conn = await asyncio.wait_for(
+                    loop.create_unix_connection(lambda: _Connection(address), "\0" + where.unix_name), timeout_s)
+                self._conn = conn
+                return conn
+            except (OSError, TimeoutError) as e:  # another host or network namespace: TCP it is
+                log.debug("the store's Unix control socket is out of reach; using TCP", address=address,
+                          error=str(e) or "timed out")
+        address = f"{where.host}:{where.port}"
         try:
             _, conn = await asyncio.wait_for(
-                asyncio.get_running_loop().create_connection(lambda: _Connection(address), host, port), timeout_s)
+                loop.create_connection(lambda: _Connection(address), where.host, where.port), timeout_s)
         except (OSError, TimeoutError) as e:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                             f"cannot reach the store's control socket at {address}: {e or 'timed out'}") from None

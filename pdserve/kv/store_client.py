@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from pdserve import logs
-from pdserve.kv.control_channel import ControlChannel, rpc_error
+from pdserve.kv.control_channel import ControlAddress, ControlChannel, rpc_error
 from pdserve.kv.layout import HashProfile
 from pdserve.kv.transfer import Span, Transfer, block_spans
 from pdserve.server import channel
@@ -137,13 +137,13 @@ class StoreClient:
         self.segment = info.segment
         return info
 
-    async def _locate_control(self) -> tuple[str, int]:
+    async def _locate_control(self) -> ControlAddress:
         """Where the store's control socket is: asked at each (re)connect, as a restarted store
         listens elsewhere (and has a new transfer-engine segment too)."""
         info = await self.connect()
         if not info.control_port:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the store at {self.target} reports no control socket")
-        return grpc_host(self.target), info.control_port
+        return ControlAddress(grpc_host(self.target), info.control_port, info.control_unix_name)
 
     @property
     def stub(self) -> kvstore_pb2_grpc.KVStoreStub:

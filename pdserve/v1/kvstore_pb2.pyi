@@ -55,7 +55,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "control_port")
+    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "control_port", "control_unix_name")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class InfoResponse(_message.Message):
     DRAM_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_UNIX_NAME_FIELD_NUMBER: _ClassVar[int]
     segment: str
     profile: _common_pb2.HashProfile
     block_nbytes: int
@@ -70,7 +71,8 @@ class InfoResponse(_message.Message):
     dram_capacity_blocks: int
     device_kind: str
     control_port: int
-    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., control_port: _Optional[int] = ...) -> None: ...
+    control_unix_name: str
+    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., control_port: _Optional[int] = ..., control_unix_name: _Optional[str] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy", "hold_ms")

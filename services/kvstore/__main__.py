@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import uuid
 
 import torch
 
@@ -68,12 +70,15 @@ async def main() -> None:
 
     gc_tuning.tune()  # a store holds an object per block: default collections pause it for long
     control = ControlSocket(servicer.control, store.deferred)
-    servicer.control_port = await control.start(cfg.host, cfg.control_port)
+    if cfg.control_unix and sys.platform == "linux":  # (abstract Unix sockets are Linux's)
+        servicer.control_unix_name = f"pdserve-kvstore-{uuid.uuid4().hex}"
+    servicer.control_port = await control.start(cfg.host, cfg.control_port, servicer.control_unix_name)
     handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
     stopped = handle.install_signal_handlers()
     index.start()
     reaper = asyncio.get_running_loop().create_task(_reap(store))
-    log.info("kvstore ready", port=handle.port, control_port=servicer.control_port, segment=transfer.segment,
+    log.info("kvstore ready", port=handle.port, control_port=servicer.control_port,
+             control_unix_name=servicer.control_unix_name, segment=transfer.segment,
              block_nbytes=block_nbytes, device_blocks=device.info.num_slots, device_kind=device.info.kind,
              dram_blocks=dram.info.num_slots, layout=profile.layout.describe())
     await handle.set_serving()

@@ -15,6 +15,8 @@ class KVStoreConfig:
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(0, "port (0: any free port)")
     control_port: int = field(0, "port of the control socket, the fast path of the control calls (0: any free port)")
+    control_unix: bool = field(True, "also serve the control socket as an abstract Unix socket, for clients on "
+                                     "this host and network namespace (Linux)")
     port_file: str = field("", "write the bound port here once serving")
     model: str = field("tiny", "model whose KV this store serves: 'tiny' or a checkpoint directory")
     dtype: str = field("float32", "KV dtype")

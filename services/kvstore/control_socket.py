@@ -1,6 +1,6 @@
 """The store's control socket: the control calls (allocate, commit, get, renew, release) as
 ControlRequest/ControlResponse frames (pdserve/kv/control_frames.py) on one TCP connection per
-client.
+client, or one Unix-socket connection for a client on the store's host.
 
 Why beside gRPC: measured on this project's 2-vCPU hosts, a message on an open grpc.aio stream
 takes a round trip of 0.5-0.8 ms once the process has idled a few ms (as it has during a
@@ -8,6 +8,11 @@ transfer), the same message on an asyncio connection 0.2-0.35 ms; a put makes tw
 around a transfer of a few ms, so that difference is most of its overhead. Everything else
 (Info, Watch, Stats, the bytes path, health, reflection) is gRPC, and the unary RPCs serve the
 same calls to gRPC-only clients.
+
+On Linux the store also listens on a Unix socket in the abstract namespace (no file; reachable
+from the store's network namespace only, so a client in another container falls back to TCP):
+measured here, a cold round trip between two asyncio processes took 95-200 µs on it against
+140-230 µs on TCP loopback.
 
 Calls are served as their frames arrive, synchronously on the event loop (the store is
 single-threaded, its control calls never wait), so a connection's answers come in order. Each
@@ -72,7 +77,7 @@ class _Connection(asyncio.Protocol):
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None
-        return f"{peer[0]}:{peer[1]}" if peer else "?"
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix" if peer == "" else "?"
 
 
 class ControlSocket:
@@ -82,22 +87,29 @@ class ControlSocket:
     def __init__(self, serve: Serve, deferred: Deferred):
         self._serve = serve
         self._deferred = deferred
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._open: set[_Connection] = set()
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port (port 0: any free one)."""
+    async def start(self, host: str, port: int, unix_name: str = "") -> int:
+        """Listen on TCP, and on the abstract Unix socket `unix_name` too if one is given
+        (without its leading NUL); returns the bound TCP port (port 0: any free one)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self._serve, self._deferred, self._open),
-                                                host, port)
-        return self._server.sockets[0].getsockname()[1]
+
+        def connection() -> _Connection:
+            return _Connection(self._serve, self._deferred, self._open)
+
+        self._servers.append(await loop.create_server(connection, host, port))
+        if unix_name:
+            self._servers.append(await loop.create_unix_server(connection, "\0" + unix_name))
+        return self._servers[0].sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         """Stop listening and end every connection (after the gRPC drain: a writer in the grace
         period still commits through here)."""
-        if self._server is None:
-            return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         for conn in list(self._open):
             conn.transport.close()
-        await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()

@@ -67,6 +67,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
                  max_blocks: int, redis_connected=lambda: False):
         self.control_port = 0  # set once the control socket listens
+        self.control_unix_name = ""  # (the same socket for clients on this host, if offered)
         self.store = store
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
@@ -87,7 +88,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             segment=self.segment, profile=self.profile_pb, block_nbytes=self.store.block_nbytes,
             device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
             dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
-            control_port=self.control_port)
+            control_port=self.control_port, control_unix_name=self.control_unix_name)
 
     # -- control calls: served alike as unary RPCs and on the control socket; each returns
     # its response's fields, made into the message where it goes (alone, or in a ControlResponse).
