@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 
@@ -38,6 +39,23 @@ def configure(service: str, level: str = "INFO") -> None:
     )
     structlog.contextvars.bind_contextvars(service=service)
     _configured = True
+
+
+def _request_id_var() -> contextvars.ContextVar:
+    """The ContextVar structlog keeps `request_id` in (made by a bind, which is undone)."""
+    token = structlog.contextvars.bind_contextvars(request_id=None)["request_id"]
+    token.var.reset(token)
+    return token.var
+
+
+_REQUEST_ID = _request_id_var()
+
+
+def bind_request_id(request_id: str) -> None:
+    """This context's logs carry `request_id` from now on (none when empty): what
+    bind_contextvars(request_id=...) does, as one ContextVar.set. The store binds it on every
+    control call; the general call cost ~16 µs there, cold."""
+    _REQUEST_ID.set(request_id or None)
 
 
 def get(name: str) -> structlog.stdlib.BoundLogger:

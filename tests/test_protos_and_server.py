@@ -112,3 +112,21 @@ def test_cpus_flag_pins_every_thread_of_the_process(shared_redis_url, key_prefix
     out = subprocess.run([sys.executable, "-m", "services.kvstore", "--cpus", "2-1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "not a CPU id or range" in out.stderr
+
+
+def test_bind_request_id_sets_what_every_log_line_of_the_context_carries():
+    import contextvars
+
+    import structlog
+
+    from pdserve import logs
+
+    def inside():
+        structlog.contextvars.bind_contextvars(request_id="old")
+        logs.bind_request_id("r-1")
+        first = structlog.contextvars.merge_contextvars(None, "info", {})
+        logs.bind_request_id("")
+        return first, structlog.contextvars.merge_contextvars(None, "info", {})
+
+    first, cleared = contextvars.copy_context().run(inside)
+    assert first["request_id"] == "r-1" and cleared["request_id"] is None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import structlog
-
+from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidArgument
 from pdserve.kv.layout import HashProfile
@@ -12,7 +11,7 @@ from pdserve.wire import require_profile, sampling_from_pb
 
 def request_basics(request_id: str, prompt_ids, sampling_pb, profile_pb, expected: HashProfile,
                    vocab_size: int, max_len: int) -> tuple[list[int], SamplingParams]:
-    structlog.contextvars.bind_contextvars(request_id=request_id or None)
+    logs.bind_request_id(request_id)
     if not request_id:
         raise InvalidArgument("request_id is required")
     if profile_pb.model_fingerprint or profile_pb.HasField("layout"):

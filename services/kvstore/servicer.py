@@ -6,7 +6,6 @@ import time
 
 import grpc
 import numpy as np
-import structlog
 
 from pdserve import logs, telemetry
 from pdserve.errors import InvalidArgument
@@ -78,7 +77,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _check(self, profile, hashes: bytes, request_id: str) -> np.ndarray:
         """The request's hashes, packed as the store keeps them (table.pack)."""
-        structlog.contextvars.bind_contextvars(request_id=request_id or None)
+        logs.bind_request_id(request_id)
         if profile != self.profile_pb:  # the same message as ours is the common case, and cheap to see
             require_profile(profile, self.profile)
         return hashes_from_pb(hashes, self.max_blocks)

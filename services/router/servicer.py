@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import structlog
-
+from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_from_pb
@@ -16,7 +15,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.status = status
 
     def _request(self, request):
-        structlog.contextvars.bind_contextvars(request_id=request.request_id or None)
+        logs.bind_request_id(request.request_id)
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt is empty: give text or token_ids")
