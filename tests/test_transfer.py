@@ -13,8 +13,16 @@ from pdserve.kv.transfer import Span, Transfer, TransferError
 def engines():
     a, b = Transfer(), Transfer()
     yield a, b
-    a.unregister_all()
-    b.unregister_all()
+
+
+@pytest.fixture(autouse=True)
+def unregistered_after(request):
+    """Each test's buffers are unregistered when it ends (before they are freed: a later buffer
+    at an overlapping address could not be registered)."""
+    yield
+    if "engines" in request.fixturenames:
+        for engine in request.getfixturevalue("engines"):
+            engine.unregister_all()
 
 
 def test_slices_move_bit_exact_both_ways_and_adjacent_ones_as_one(engines):
@@ -64,9 +72,15 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
         b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
 
 
-def test_block_spans_merge_runs_adjacent_on_both_sides_only():
-    from pdserve.kv.transfer import block_spans, coalesce
+@pytest.mark.parametrize("impl", ["c", "numpy"])
+def test_block_spans_merge_runs_adjacent_on_both_sides_only(impl):
+    from pdserve.kv import transfer
 
+    if impl == "c":
+        assert transfer._spans_module() is not None, "the C helper must build here (setup installs gcc, python3-dev)"
+        block_spans = transfer.block_spans
+    else:
+        block_spans = transfer.block_spans_numpy
     n = 4096
     pairs = [(0, 8 * n), (n, 9 * n), (2 * n, 10 * n),  # one run of three
              (3 * n, 20 * n),  # adjacent locally only: a new span
@@ -75,10 +89,24 @@ def test_block_spans_merge_runs_adjacent_on_both_sides_only():
     local, remote = [a for a, _ in pairs], [b for _, b in pairs]
     spans = [Span(0, 8 * n, 3 * n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, 3 * n)]
     assert block_spans(local, remote, n) == spans
-    assert block_spans(local, np.array(remote, np.uint64), n) == spans  # as an answer's addresses come
-    assert all(type(x) is int for s in block_spans(local, np.array(remote, np.uint64), n) for x in vars(s).values())
-    assert block_spans(local, remote, n) == coalesce([Span(a, b, n) for a, b in pairs])
+    assert block_spans(local, np.array(remote, "<u8"), n) == spans  # as an answer's addresses come
+    assert block_spans(np.array(local, np.uint64), np.array(remote, "<u8")[::-1][::-1], n) == spans
+    assert all(type(x) is int for s in block_spans(local, np.array(remote, "<u8"), n) for x in vars(s).values())
+    assert block_spans(local, remote, n) == transfer.coalesce([Span(a, b, n) for a, b in pairs])
+    # Only the blocks in the wanted state move; the others split runs (a block that does not
+    # move is a gap): blocks 1 and 5 stay.
+    states = bytes([1, 2, 1, 1, 1, 2, 1])
+    assert block_spans(local, remote, n, states, 1) == [
+        Span(0, 8 * n, n), Span(2 * n, 10 * n, n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, n),
+        Span(7 * n, 23 * n, n)]
+    assert block_spans(local, remote, n, states, 2) == [Span(n, 9 * n, n), Span(6 * n, 22 * n, n)]
+    assert block_spans(local, remote, n, states, 3) == []
     assert block_spans([n], [0], n) == [Span(n, 0, n)]  # address 0 is an address like any other
+    assert block_spans([2**64 - n], [0], n) == [Span(2**64 - n, 0, n)]
     assert block_spans([], [], n) == []
-    with pytest.raises(ValueError, match="2 local addresses for 1 remote ones"):
+    with pytest.raises(ValueError, match="block_runs: 2 local addresses for 1 remote ones"):
         block_spans([0, n], [0], n)
+    with pytest.raises(ValueError, match="block_runs: 1 states for 2 blocks"):
+        block_spans([0, n], [0, n], n, b"\x01", 1)
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        block_spans([-1], [0], n)

@@ -174,11 +174,7 @@ class StoreClient:
         """Write the blocks whose slot says WRITE; returns the slices used."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"write: {len(local_addrs)} local addresses for {len(slots)} slots")
-        mine = np.frombuffer(slots.states, np.uint8) == pb.SLOT_STATE_WRITE
-        if mine.all():
-            spans = block_spans(local_addrs, slots.addresses, self.block_nbytes)
-        else:
-            spans = block_spans(np.asarray(local_addrs, np.uint64)[mine], slots.addresses[mine], self.block_nbytes)
+        spans = block_spans(local_addrs, slots.addresses, self.block_nbytes, slots.states, pb.SLOT_STATE_WRITE)
         return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
 
     async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:

@@ -7,12 +7,21 @@ remotely moves as one slice: at ~45 µs per slice here, coalescing is what makes
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
+
+from pdserve import logs
+from pdserve.native import NativeUnavailable, build_module
+
+log = logs.get("kv.transfer")
+SPANS_SOURCES = [Path(__file__).with_name("csrc") / "spans.c"]
 
 
 class TransferError(RuntimeError):
@@ -32,14 +41,48 @@ class Span:
     nbytes: int
 
 
-def block_spans(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int) -> list[Span]:
+@functools.cache
+def _spans_module() -> ModuleType | None:
+    """csrc/spans.c, built on first use (pdserve/native.py); None where it cannot be."""
+    try:
+        return build_module("_kvspans", SPANS_SOURCES, ["-O2", "-fPIC", "-std=gnu11"])
+    except NativeUnavailable as e:
+        log.warning("transfer spans found with numpy: the C helper cannot be built here", reason=str(e))
+        return None
+
+
+def block_spans(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int,
+                states: bytes | None = None, want: int = 0) -> list[Span]:
     """Spans for blocks of `nbytes`, block i from local[i] to remote[i], neighbours adjacent on
-    both sides merged (order kept): a span per run, not per block, found in one numpy pass."""
+    both sides merged (order kept): a span per run, not per block. With `states` (a byte per
+    block), only the blocks whose state is `want` move. One C pass (csrc/spans.c) where it could
+    be built, else numpy."""
+    module = _spans_module()
+    if module is None:
+        return block_spans_numpy(local, remote, nbytes, states, want)
+    if not (isinstance(remote, np.ndarray) and remote.dtype == _U64 and remote.flags.c_contiguous):
+        remote = np.ascontiguousarray(remote, _U64)
+    if states is None:
+        return [Span(*run) for run in module.block_runs(local, remote, nbytes)]
+    return [Span(*run) for run in module.block_runs(local, remote, nbytes, states, want)]
+
+
+_U64 = np.dtype("<u8")
+
+
+def block_spans_numpy(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int,
+                      states: bytes | None = None, want: int = 0) -> list[Span]:
+    """`block_spans` in numpy (a dozen array operations: 78 µs for 64 blocks, cold)."""
     if len(local) != len(remote):
-        raise ValueError(f"block_spans: {len(local)} local addresses for {len(remote)} remote ones")
-    if not len(local):
-        return []
+        raise ValueError(f"block_runs: {len(local)} local addresses for {len(remote)} remote ones")
+    if states is not None and len(states) != len(local):
+        raise ValueError(f"block_runs: {len(states)} states for {len(local)} blocks")
     loc, rem, step = np.asarray(local, np.uint64), np.asarray(remote, np.uint64), np.uint64(nbytes)
+    if states is not None:
+        moves = np.frombuffer(states, np.uint8) == want
+        loc, rem = loc[moves], rem[moves]
+    if not len(loc):
+        return []
     breaks = (np.flatnonzero((loc[1:] != loc[:-1] + step) | (rem[1:] != rem[:-1] + step)) + 1).tolist()
     starts, ends = [0, *breaks], [*breaks, len(loc)]
     return [Span(a, b, (end - start) * nbytes)
