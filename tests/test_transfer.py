@@ -110,3 +110,39 @@ def test_block_spans_merge_runs_adjacent_on_both_sides_only(impl):
         block_spans([0, n], [0, n], n, b"\x01", 1)
     with pytest.raises((TypeError, ValueError, OverflowError)):
         block_spans([-1], [0], n)
+
+
+def test_a_move_is_paced_by_the_fastest_recent_rate_of_moves_of_a_mib_or_more():
+    import itertools
+    import time
+
+    from pdserve.kv.pacing import FINE_S, FIRST_S, MAX_S, PACED_BYTES, Pace
+
+    def first_sleep(pace: Pace, nbytes: int, rate: float):
+        """The first sleep, and the bounds it must lie in: 80% of the expected time from the start."""
+        start = time.perf_counter()
+        sleeps = pace.sleeps(nbytes, start)
+        before = time.perf_counter()
+        first = next(sleeps)
+        after = time.perf_counter()
+        aim = 0.8 * nbytes / rate
+        assert max(0.0, aim - (after - start)) <= first <= aim - (before - start)
+        return sleeps, start
+
+    big = 64 << 20
+    pace = Pace()
+    doubling = [FIRST_S * 2**i for i in range(4)] + [MAX_S] * 2
+    assert list(itertools.islice(pace.sleeps(big, time.perf_counter()), 6)) == doubling  # no history
+    pace.observe(PACED_BYTES - 1, 1e-6)  # small moves teach nothing
+    assert list(itertools.islice(pace.sleeps(big, time.perf_counter()), 6)) == doubling
+    for rate in (2e9, 4e9, 1e9):  # bytes/s; the fastest is taken (expected: 16.8 ms)
+        pace.observe(big, big / rate)
+    sleeps, start = first_sleep(pace, big, 4e9)
+    assert next(sleeps) == FINE_S  # looks near the expected end
+    while time.perf_counter() - start < 1.5 * big / 4e9:
+        time.sleep(1e-3)
+    assert list(itertools.islice(sleeps, 2)) == [FIRST_S, 2 * FIRST_S]  # past 1.5x: as without history
+    assert list(itertools.islice(pace.sleeps(PACED_BYTES - 1, time.perf_counter()), 2)) == doubling[:2]  # unpaced
+    for _ in range(8):  # only the last 8 rates count
+        pace.observe(big, big / 1e9)
+    first_sleep(pace, big, 1e9)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pdserve import logs
+from pdserve.kv.pacing import Pace, fine_timer_slack
 from pdserve.native import NativeUnavailable, build_module
 
 log = logs.get("kv.transfer")
@@ -30,8 +31,6 @@ class TransferError(RuntimeError):
 
 # What an async submit returns when it could not start: 0, or -1 as the engine's unsigned batch id.
 _NO_BATCH = (0, 2**64 - 1)
-# Polling a transfer: first after 20 µs, then twice as long each time, at most 0.2 ms apart.
-_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-4
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,7 @@ class Transfer:
             raise TransferError(f"transfer engine failed to initialize on {host} ({protocol}): rc={rc}")
         self.segment = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[tuple[int, int]] = []
+        self._paces: dict[tuple[str, bool], Pace] = {}  # (peer, write) -> its recent rate (pacing.py)
 
     def register(self, tensor: torch.Tensor) -> None:
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -146,9 +146,10 @@ class Transfer:
         return self._move(peer, spans, write=True)
 
     def _move(self, peer: str, spans: Sequence[Span], write: bool) -> int:
-        """Submit each slice as a batch of its own, then poll them, sleeping between polls. The
-        engine's sync calls spin on the status for the whole move: a CPU's worth of work that,
-        on a shared core, the engine step or the prefill beside it would lose.
+        """Submit each slice as a batch of its own, then poll them, sleeping between polls, as
+        long as moves like it took lately (pacing.py). The engine's sync calls spin on the status
+        for the whole move: a CPU's worth of work that, on a shared core, the engine step or the
+        prefill beside it would lose.
 
         One slice per batch is for correctness, not speed: the engine's status call reads the
         first task of a batch only (and frees the batch once that one is done), so a batch of
@@ -157,6 +158,11 @@ class Transfer:
         merged = coalesce(spans)
         if not merged:
             return 0
+        fine_timer_slack()
+        nbytes = sum(s.nbytes for s in merged)
+        pace = self._paces.get((peer, write)) or self._paces.setdefault((peer, write), Pace())
+        start = time.perf_counter()
+        sleeps = pace.sleeps(nbytes, start)
         submit = self.engine.batch_transfer_async_write if write else self.engine.batch_transfer_async_read
         pending: list[int] = []
         errors: list[str] = []
@@ -166,7 +172,6 @@ class Transfer:
                 errors.append("submit refused")
                 break
             pending.append(batch)
-        delay = _POLL_FIRST_S
         while pending:
             waiting = []
             for batch in pending:
@@ -177,10 +182,10 @@ class Transfer:
                     errors.append("failed" if status == -1 else "timed out")
             pending = waiting
             if pending:
-                time.sleep(delay)
-                delay = min(2 * delay, _POLL_MAX_S)
+                time.sleep(next(sleeps))
         if errors:
             what = ", ".join(sorted(set(errors)))
             raise TransferError(f"transfer {'to' if write else 'from'} {peer} failed ({what}; {len(merged)} slices, "
-                                f"{sum(s.nbytes for s in merged)} bytes)")
+                                f"{nbytes} bytes)")
+        pace.observe(nbytes, time.perf_counter() - start)
         return len(merged)
