@@ -137,11 +137,10 @@ def test_a_move_is_paced_by_the_fastest_recent_rate_of_moves_of_a_mib_or_more():
     assert list(itertools.islice(pace.sleeps(big, time.perf_counter()), 6)) == doubling
     for rate in (2e9, 4e9, 1e9):  # bytes/s; the fastest is taken (expected: 16.8 ms)
         pace.observe(big, big / rate)
-    sleeps, start = first_sleep(pace, big, 4e9)
-    assert next(sleeps) == FINE_S  # looks near the expected end
-    while time.perf_counter() - start < 1.5 * big / 4e9:
-        time.sleep(1e-3)
-    assert list(itertools.islice(sleeps, 2)) == [FIRST_S, 2 * FIRST_S]  # past 1.5x: as without history
+    sleeps, _ = first_sleep(pace, big, 4e9)
+    # Near the expected end: looks from 30 µs apart, each gap half as long again, to 200 µs.
+    near = [FINE_S, FINE_S * 1.5, FINE_S * 1.5**2, FINE_S * 1.5**3, FINE_S * 1.5**4, MAX_S, MAX_S]
+    assert list(itertools.islice(sleeps, 7)) == pytest.approx(near)
     assert list(itertools.islice(pace.sleeps(PACED_BYTES - 1, time.perf_counter()), 2)) == doubling[:2]  # unpaced
     for _ in range(8):  # only the last 8 rates count
         pace.observe(big, big / 1e9)
