@@ -74,25 +74,29 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         dt, _ = await _timed(client.commit(alloc.lease_id))
         ctrl["commit"].append(dt)
         put_s.append(time.perf_counter() - t0)
+        # Raw engine: the same bytes, the same two processes, one slice, no control plane; both
+        # as the store's client waits (submit, then poll, sleeping) and with the engine's own
+        # sync call (it spins until done). The target is against the faster of the two. Each
+        # raw move runs right after the store's move it is compared with: this host's transfer
+        # speed drifts (a polled 128 MiB write ran 1.3 GB/s for a while, 2.3-2.8 otherwise).
+        base = alloc.slots[0].address
+        raw = all(s.address == base + i * nbytes for i, s in enumerate(alloc.slots))
+        e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
+        if raw:
+            polled_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
+            raw_w.append(await _timed_raw(e.transfer_sync_write, client.segment, local.data_ptr(), base, total))
         t0 = time.perf_counter()
         dt, resp = await _timed(client.pin(hashes))
         ctrl["get"].append(dt)
         await client.read_slots(resp.slots, addrs)
         get_s.append(time.perf_counter() - t0)
+        if raw:
+            polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
+            raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
         # A reader does not wait for its release (StoreClient.get sends it with release_soon);
         # the call is timed on its own, after the get.
         dt, _ = await _timed(client.release(resp.lease_id))
         ctrl["release"].append(dt)
-        # Raw engine: the same bytes, the same two processes, one slice, no control plane; both
-        # with the engine's own sync call (it spins until done) and as the store's client waits
-        # (submit, then poll, sleeping). The target is against the faster of the two.
-        base = resp.slots[0].address
-        if all(s.address == base + i * nbytes for i, s in enumerate(resp.slots)):
-            e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
-            raw_w.append(await _timed_raw(e.transfer_sync_write, client.segment, local.data_ptr(), base, total))
-            raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
-            polled_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
-            polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
     grpc_put, grpc_get = [], []  # (as many puts as _bench_row made room for)
     data = local[:total].numpy().tobytes() if total <= GRPC_MAX_BYTES else b""
     for _ in range(max(1, repeats // 2) if data else 0):
