@@ -79,6 +79,8 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         # sync call (it spins until done). The target is against the faster of the two. Each
         # raw move runs right after the store's move it is compared with: this host's transfer
         # speed drifts (a polled 128 MiB write ran 1.3 GB/s for a while, 2.3-2.8 otherwise).
+        # Every timed control call follows a transfer, as in service (a call right after
+        # another runs warm: an allocate after a release took 0.28 ms where it takes 0.45).
         base = alloc.slots[0].address
         raw = all(s.address == base + i * nbytes for i, s in enumerate(alloc.slots))
         e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
@@ -90,13 +92,13 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         ctrl["get"].append(dt)
         await client.read_slots(resp.slots, addrs)
         get_s.append(time.perf_counter() - t0)
-        if raw:
-            polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
-            raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
         # A reader does not wait for its release (StoreClient.get sends it with release_soon);
         # the call is timed on its own, after the get.
         dt, _ = await _timed(client.release(resp.lease_id))
         ctrl["release"].append(dt)
+        if raw:
+            polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
+            raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
     grpc_put, grpc_get = [], []  # (as many puts as _bench_row made room for)
     data = local[:total].numpy().tobytes() if total <= GRPC_MAX_BYTES else b""
     for _ in range(max(1, repeats // 2) if data else 0):
