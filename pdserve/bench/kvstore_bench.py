@@ -76,17 +76,17 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         put_s.append(time.perf_counter() - t0)
         # Raw engine: the same bytes, the same two processes, one slice, no control plane; both
         # as the store's client waits (submit, then poll, sleeping) and with the engine's own
-        # sync call (it spins until done). The target is against the faster of the two. Each
-        # raw move runs right after the store's move it is compared with: this host's transfer
-        # speed drifts (a polled 128 MiB write ran 1.3 GB/s for a while, 2.3-2.8 otherwise).
-        # Every timed control call follows a transfer, as in service (a call right after
-        # another runs warm: an allocate after a release took 0.28 ms where it takes 0.45).
+        # sync call (it spins until done). The target is against the faster of the two. The
+        # order puts each store move and its polled raw twin after the same kind of step (a
+        # write after a control call, a read after a write: here a read after a read ran 3-12%
+        # faster than one after a write), and every timed control call after a transfer, as in
+        # service (one right after another runs warm: an allocate after a release took 0.28 ms
+        # where it takes 0.45).
         base = alloc.slots[0].address
         raw = all(s.address == base + i * nbytes for i, s in enumerate(alloc.slots))
         e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
         if raw:
             polled_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
-            raw_w.append(await _timed_raw(e.transfer_sync_write, client.segment, local.data_ptr(), base, total))
         t0 = time.perf_counter()
         dt, resp = await _timed(client.pin(hashes))
         ctrl["get"].append(dt)
@@ -97,6 +97,7 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         dt, _ = await _timed(client.release(resp.lease_id))
         ctrl["release"].append(dt)
         if raw:
+            raw_w.append(await _timed_raw(e.transfer_sync_write, client.segment, local.data_ptr(), base, total))
             polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
             raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
     grpc_put, grpc_get = [], []  # (as many puts as _bench_row made room for)
