@@ -6,8 +6,7 @@ direction went lately: one sleep to 80% of its expected time, then looks from 30
 gap half as long again as the last (to 200 µs), so its end is seen within tens of µs rather
 than up to 200 µs after, and the poller wakes less (measured: a 4 MiB write looked at 5-6 times
 instead of 9-11, a 16 MiB one 12 times instead of 30; the moves' times in A/B runs were within
-this host's noise, ±10%).
-Without history, looks double from 20 µs to 200 µs apart.
+this host's noise, ±10%). Without history, looks double from 20 µs to 200 µs apart.
 
 Sleeps this short need a fine timer: a thread's timer slack (50 µs by default on Linux) is
 added to each of its sleeps, so the threads that poll set theirs to 1 µs.

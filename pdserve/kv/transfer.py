@@ -31,6 +31,7 @@ class TransferError(RuntimeError):
 
 # What an async submit returns when it could not start: 0, or -1 as the engine's unsigned batch id.
 _NO_BATCH = (0, 2**64 - 1)
+_U64 = np.dtype("<u8")  # the store's answers carry addresses as little-endian uint64
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,6 @@ def block_spans(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.nd
         return [Span(*run) for run in module.block_runs(local, remote, nbytes)]
     return [Span(*run) for run in module.block_runs(local, remote, nbytes, states, want)]
 
-
-_U64 = np.dtype("<u8")
 
 
 def block_spans_numpy(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int,
