@@ -32,6 +32,16 @@ class FailedPrecondition(PdserveError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(PdserveError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class DataLoss(PdserveError):
+    """Bytes that fail their checksum: never served."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class DeadlineExceeded(PdserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

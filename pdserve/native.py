@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.util
 import os
 import platform
 import shutil
 import subprocess
-import sysconfig
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 
 class NativeUnavailable(RuntimeError):
@@ -75,21 +72,3 @@ def _build(name: str, sources: list[Path], flags: list[str], link_flags: list[st
 def build(name: str, sources: list[Path], flags: list[str], link_flags: list[str]) -> ctypes.CDLL:
     """The library `name` built from `sources`, loaded with ctypes."""
     return ctypes.CDLL(str(_build(name, sources, flags, link_flags)))
-
-
-def build_module(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
-    """The Python extension module `name` (its sources define PyInit_<name>) built from
-    `sources` against this interpreter's headers, and imported. Its functions are called with
-    a few µs of overhead where a ctypes call costs tens once the process has gone cold."""
-    include = Path(sysconfig.get_paths()["include"])
-    if not (include / "Python.h").exists():
-        raise NativeUnavailable(f"no Python headers in {include} (install python3-dev, or the python image's)")
-    # (the define puts the interpreter's ABI into the cache key: one build per ABI)
-    flags = [*flags, f"-I{include}", f"-DPY_EXT_SUFFIX={sysconfig.get_config_var('EXT_SUFFIX')}"]
-    path = _build(name, sources, flags, ["-shared"])
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise NativeUnavailable(f"{path} cannot be imported as the extension module {name}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

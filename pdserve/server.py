@@ -166,8 +166,10 @@ async def build_server(
     port: int = 0,
     grace_s: float = 5.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    also_at: tuple[str, ...] = (),
 ) -> ServerHandle:
-    """Start a server; `register` adds the servicers and returns their full service names."""
+    """Start a server; `register` adds the servicers and returns their full service names.
+    `also_at`: more addresses to serve the same services at (e.g. "unix-abstract:NAME")."""
     telemetry.setup_tracing(name)
     server = grpc.aio.server(
         interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
@@ -186,6 +188,9 @@ async def build_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"{name}: cannot bind {host}:{port}")
+    for address in also_at:
+        if server.add_insecure_port(address) == 0:
+            raise RuntimeError(f"{name}: cannot bind {address}")
     await server.start()
     log.info("listening", server=name, address=f"{host}:{bound}")
     return ServerHandle(server, bound, health, service_names, grace_s)

@@ -7,8 +7,8 @@ OTEL_TRACES_EXPORTER=console prints spans. Unset: the API's no-op tracer, which 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
 
@@ -91,16 +91,3 @@ def detached() -> Iterator[None]:
         yield
     finally:
         context.detach(token)
-
-
-_NO_SPAN = nullcontext()
-
-
-def message_span(name: str, carrier: Mapping[str, str]) -> AbstractContextManager:
-    """A server span for one message of a shared stream, in the trace its sender named. With
-    tracing off, one shared do-nothing context (a control call's path runs cold, after the
-    transfer it sits between: a generator made and run per call cost ~10 µs of it)."""
-    if _provider is None:
-        return _NO_SPAN
-    return trace.get_tracer("pdserve.server").start_as_current_span(
-        name, context=propagate.extract(dict(carrier)), kind=trace.SpanKind.SERVER)

@@ -20,9 +20,6 @@ command -v setpriv >/dev/null || apt_missing+=(util-linux)  # children die with 
 [ -e /usr/include/math.h ] || apt_missing+=(libc6-dev)
 command -v python3 >/dev/null || apt_missing+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || apt_missing+=(python3-venv)
-# The store's C index is an extension module, built on first use: the interpreter's headers.
-python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
-  2>/dev/null || apt_missing+=(python3-dev)
 # The tests check compose.yaml with `docker-compose config` (no Docker engine needed for that).
 [ -n "$extras" ] && ! command -v docker-compose >/dev/null && apt_missing+=(docker-compose)
 if [ ${#apt_missing[@]} -gt 0 ]; then

@@ -12,8 +12,10 @@ import hashlib
 import json
 import sys
 
+import grpc
 import torch
 
+from pdserve.kv.checksum import checksums_at
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kv.store_client import StoreClient
 from pdserve.kv.transfer import Transfer
@@ -76,6 +78,18 @@ async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transf
         res = await client.put(hashes, [buf.addr(j) for j in range(args.n + (1 if tail else 0))], tail,
                                tail_ttl_ms=30_000)
         return {"written": res.written, "present": res.present, "pending": res.pending, "slices": res.slices}
+    if args.op == "stale-put":  # a writer that stalls past its lease, then writes and commits anyway
+        for j in range(args.n):
+            buf.block(j).copy_(block_data(args.seed, args.start + j))
+        alloc = await client.allocate(hashes, lease_ms=args.lease_ms)
+        print("READY", flush=True)
+        sys.stdin.readline()  # stalled (the test decides for how long)
+        await client.write(alloc.slots, [buf.addr(j) for j in range(args.n)])
+        try:
+            await client.commit(alloc.lease_id, hashes, checksums_at([buf.addr(j) for j in range(args.n)], buf.nbytes))
+        except grpc.aio.AioRpcError as e:
+            return {"commit": e.code().name, "details": e.details()}
+        return {"commit": "OK"}
     if args.op == "hold-get":
         resp = await client.pin(hashes, tail)
         print("READY", resp.lease_id, len(resp.slots), flush=True)
@@ -91,7 +105,7 @@ async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transf
         print("READY", flush=True)
         async for batch in client.watch(hashes, tail, timeout_s=args.timeout):
             lease = batch.lease_id
-            await client.read_slots(batch.slots, [buf.addr(i) for i in batch.indices])
+            ok = ok and not await client.read_slots(batch.slots, [buf.addr(i) for i in batch.indices])
             for i in batch.indices:
                 expected = block_data(args.seed, -1 if i == args.n else args.start + i)
                 ok = ok and torch.equal(buf.block(i), expected)
@@ -117,6 +131,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--tail", action="store_true")
     p.add_argument("--timeout", type=float, default=30)
+    p.add_argument("--lease-ms", type=int, default=0)
     result = asyncio.run(run(p.parse_args()))
     print(json.dumps(result), flush=True)
     sys.stdout.flush()

@@ -17,15 +17,16 @@ from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffer
 from tests.support.procs import ROOT, ServiceProcess
 
 BLOCK = LAYOUT.block_nbytes
+FENCE_MS = 300  # the test stores' quarantine of abandoned write slots (a long one: a test says so)
 
 
 def start_store(redis_url: str, key_prefix: str, device_blocks: int, dram_blocks: int, lease_ms: int = 2000,
-                extra: tuple[str, ...] = ()) -> ServiceProcess:
+                extra: tuple[str, ...] = (), fence_ms: int = FENCE_MS) -> ServiceProcess:
     return ServiceProcess(
         "services.kvstore", "--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG,
         "--device-bytes", str(device_blocks * BLOCK), "--dram-bytes", str(dram_blocks * BLOCK),
         "--device", "host", "--lease-ms", str(lease_ms), "--redis-url", redis_url, "--key-prefix", key_prefix,
-        "--grace-s", "1", *extra).start()
+        "--grace-s", "1", "--fence-ms", str(fence_ms), *extra).start()
 
 
 def peer(op: str, store: str, *flags: str, timeout: float = 60) -> dict:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import redis
 
+from pdserve.kv.checksum import checksum_at
 from pdserve.kv.store_client import StoreClient
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
@@ -136,9 +137,11 @@ def test_a_handoff_hold_pins_its_blocks_until_released_or_lapsed(small_store):
     c.put(1, [0, 1])
     pinned = lambda: (tier_stats(c.stats())["device"]["pinned"], c.stats().active_leases)  # noqa: E731
     alloc = c.call(StoreClient.allocate, [block_hash(1, i) for i in range(4)], "", "h1", 0, True, 5000)
-    assert [s.state for s in alloc.slots] == [pb.SLOT_STATE_PRESENT] * 2 + [pb.SLOT_STATE_WRITE] * 2
+    assert alloc.slots.states == [pb.SLOT_STATE_PRESENT] * 2 + [pb.SLOT_STATE_WRITE] * 2
     assert alloc.hold_lease_id and pinned() == (4, 2)  # the hold's 4, the writer's 2 of them
-    c.call(StoreClient.commit, alloc.lease_id)
+    for j in range(4):
+        c.buf.block(j).copy_(block_data(1, j))
+    c.call(StoreClient.ship, alloc, 0, 4, [c.buf.addr(j) for j in range(4)])
     assert pinned() == (4, 1)
     # The device is full and all of it held: a new put spills to DRAM, evicting nothing here.
     c.put(2, [0])
@@ -148,8 +151,9 @@ def test_a_handoff_hold_pins_its_blocks_until_released_or_lapsed(small_store):
     # A writer that fails takes its hold with it.
     failed = c.call(StoreClient.allocate, [block_hash(3, 0), block_hash(1, 0)], "", "h2", 0, True, 5000)
     assert pinned() == (2, 2)
-    assert c.call(StoreClient.release, failed.lease_id).reclaimed == 1
+    assert c.call(StoreClient.release, failed.lease_id).reclaimed == 1  # fenced, then free
     assert pinned() == (0, 0)
+    _wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
     # Nobody releases it: it lapses hold_ms after the last commit.
     lapsing = c.call(StoreClient.allocate, [block_hash(1, 0)], "", "h3", 0, True, 300)
     assert lapsing.hold_lease_id and pinned() == (1, 1)
@@ -204,8 +208,9 @@ def test_killed_reader_and_writer_leases_lapse(small_store):
     reader.wait()
     writer.wait()
     # Lease TTL is 1 s here: within TTL + 2 s everything is back to baseline (2 committed, unpinned).
-    elapsed = _wait_for(lambda: c.stats().active_leases == 0, 3.0)
-    assert elapsed < 3.0
+    # The writer's uncommitted slots are fenced a while (300 ms here), then free too.
+    elapsed = _wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0, 3.5)
+    assert elapsed < 3.5
     assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
     assert peer("get", small_store.address, "--seed", "6", "--n", "1") == {
         "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0}
@@ -243,10 +248,11 @@ def test_watch_is_told_of_each_commit(small_store):
             await asyncio.sleep(0.2)
             assert len(events) == i  # nothing arrives before its commit
             await client.write(alloc.slots[i : i + 1], [c.buf.addr(i)])
-            await client.commit(alloc.lease_id, [hashes[i]])
+            await client.commit(alloc.lease_id, [hashes[i]], [checksum_at(c.buf.addr(i), BLOCK)])
             ev = await asyncio.wait_for(first if i == 0 else anext(watch), 5)
             events.extend(ev.indices)
-            await client.read_slots(ev.slots, [c.buf.addr(32 + j) for j in ev.indices])
+            assert ev.slots.checksums == [checksum_at(c.buf.addr(j), BLOCK) for j in ev.indices]
+            assert await client.read_slots(ev.slots, [c.buf.addr(32 + j) for j in ev.indices]) == []
             assert all(c.buf.block(32 + j).equal(block_data(seed, j)) for j in ev.indices)
         stats = await client.stats()
         await client.release(ev.lease_id)
@@ -304,19 +310,23 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
     async def alloc(client, **kw):
-        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=client.profile_pb, **kw))
+        return await client._call("AllocatePut", pb.AllocatePutRequest(profile=client.profile_pb, **kw))
 
     async def wrong_layout(client):
         prof = common_pb2.HashProfile()
         prof.CopyFrom(client.profile_pb)
         prof.layout.block_size = 32
-        return await client.stub.Get(pb.GetRequest(profile=prof, block_hashes=block_hash(1, 0)))
+        return await client._call("Get", pb.GetRequest(profile=prof, block_hashes=block_hash(1, 0)))
 
     async def wrong_model(client):
         prof = common_pb2.HashProfile()
         prof.CopyFrom(client.profile_pb)
         prof.model_fingerprint = "0" * 64
-        return await client.stub.AllocatePut(pb.AllocatePutRequest(profile=prof, block_hashes=block_hash(1, 0)))
+        return await client._call("AllocatePut", pb.AllocatePutRequest(profile=prof, block_hashes=block_hash(1, 0)))
+
+    async def anonymous(client):  # no client id in the metadata
+        await client.connect()
+        return await client._stub.Get(pb.GetRequest(profile=client.profile_pb, block_hashes=block_hash(1, 0)))
 
     assert _code(lambda: c.call(wrong_layout)) == (INVALID, "hash profile mismatch: KV layout differs: "
                                                    "L2x2xH2xB32xD64:float32 vs L2x2xH2xB16xD64:float32")
@@ -329,38 +339,59 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "9 blocks requested, 8 can be made free" in msg
     code, msg = _code(lambda: c.call(alloc, block_hashes=block_hash(1, 0) * 2))
     assert code == INVALID and "repeat" in msg
-    code, msg = _code(lambda: c.call(StoreClient.commit, "w999"))
-    assert code == grpc.StatusCode.NOT_FOUND and "unknown or lapsed" in msg
-    code, msg = _code(lambda: c.call(StoreClient.release, "r999"))
+    assert _code(lambda: c.call(anonymous)) == (INVALID, "name your client: metadata 'pdserve-client-id' is missing")
+    code, msg = _code(lambda: c.call(StoreClient.commit, "0" * 32, [], []))  # a guessed lease id
+    assert code == grpc.StatusCode.NOT_FOUND and "is unknown" in msg
+    code, msg = _code(lambda: c.call(StoreClient.release, "w2"))  # an old-style sequential one
     assert code == grpc.StatusCode.NOT_FOUND
     code, msg = _code(lambda: c.call(StoreClient.put_bytes, [block_hash(1, 0)], b"x" * (BLOCK - 1)))
     assert code == INVALID and f"got {BLOCK - 1} bytes, expected {BLOCK}" in msg
     alloc_ok = c.call(StoreClient.allocate, [block_hash(1, 0)])
-    code, msg = _code(lambda: c.call(StoreClient.commit, alloc_ok.lease_id, [block_hash(1, 5)]))
-    assert code == grpc.StatusCode.NOT_FOUND and "not part of write lease" in msg
+    code, msg = _code(lambda: c.call(StoreClient.commit, alloc_ok.lease_id, [block_hash(1, 5)], [0]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "was never part of it" in msg
+    code, msg = _code(lambda: c.call(StoreClient.commit, alloc_ok.lease_id, [block_hash(1, 0)], []))
+    assert code == INVALID and "0 checksums for 1 blocks" in msg
+    other = LocalClient(small_store.address)  # another client: none of this lease is its to touch
+    for call in ((StoreClient.commit, alloc_ok.lease_id, [block_hash(1, 0)], [0]),
+                 (StoreClient.release, alloc_ok.lease_id), (StoreClient.renew, alloc_ok.lease_id)):
+        code, msg = _code(lambda call=call: other.call(*call))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "belongs to another client" in msg
     c.call(StoreClient.release, alloc_ok.lease_id)
 
     assert health(small_store.address) == SERVING
+    _wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
     s = c.stats()
     assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 0, "pinned": 0, "evictions": 0}
     c.put(1, [0, 1])
     assert peer("get", small_store.address, "--seed", "1", "--n", "2")["ok"]
 
 
-def test_commit_is_idempotent(small_store):
+def test_a_commit_on_a_closed_or_lapsed_lease_is_refused_never_answered_as_done(small_store):
     c = LocalClient(small_store.address)
     hashes = [block_hash(30, 0), block_hash(30, 1)]
+    sums = [checksum_at(c.buf.addr(j), BLOCK) for j in range(2)]
 
     async def scenario(client):
         alloc = await client.allocate(hashes)
         await client.write(alloc.slots, [c.buf.addr(0), c.buf.addr(1)])
-        first = await client.commit(alloc.lease_id, [hashes[0]])
-        again = await client.commit(alloc.lease_id, [hashes[0]])
-        rest = await client.commit(alloc.lease_id)
-        after = await client.commit(alloc.lease_id)
-        return [(r.committed, r.lease_closed) for r in (first, again, rest, after)]
+        out = [await client.commit(alloc.lease_id, hashes[:1], sums[:1])]
+        for commit in ((hashes[:1], sums[:1]), (hashes[1:], sums[1:]), (hashes[1:], sums[1:])):
+            try:
+                out.append(await client.commit(alloc.lease_id, *commit))
+            except grpc.aio.AioRpcError as e:
+                out.append((e.code(), e.details().rsplit("' ", 1)[-1]))
+        lapsing = await client.allocate([block_hash(31, 0)], lease_ms=200)
+        await asyncio.sleep(0.6)
+        try:
+            await client.commit(lapsing.lease_id, [block_hash(31, 0)], [0])
+        except grpc.aio.AioRpcError as e:
+            out.append((e.code(), "has lapsed" in e.details()))
+        return out
 
-    assert c.call(scenario) == [(1, False), (0, False), (1, True), (0, True)]
+    FAILED = grpc.StatusCode.FAILED_PRECONDITION
+    assert c.call(scenario) == [
+        (1, False), (FAILED, "is not one it writes, or is committed"), (1, True),
+        (FAILED, "has been committed in full: nothing more can be done under it"), (FAILED, True)]
 
 
 def test_redis_down_store_serves_and_index_is_rebuilt(private_redis, key_prefix):

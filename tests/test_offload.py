@@ -6,13 +6,12 @@ from __future__ import annotations
 import time
 import uuid
 
-import numpy as np
 import pytest
 
 from pdserve.engine.block_pool import BlockPool
+from pdserve.kv.checksum import checksum_of
 from services.kvstore.memory import TierMemory
-from services.kvstore.order import SHED_AFTER, EvictionOrder
-from services.kvstore.table import BlockTable
+from services.kvstore.store import DEVICE, DRAM, BlockStore
 from tests.support.stack import Stack, run, store_stats
 from tests.test_disagg import expected, prompt, run_one
 
@@ -32,39 +31,22 @@ def test_pool_tells_of_each_evicted_block_before_reusing_its_page():
     assert pool.num_cached_blocks == 0
 
 
-def _rows(*ids: int) -> np.ndarray:
-    return np.array(ids, dtype=np.int64)
-
-
 def test_store_evicts_copies_first_oldest_first_then_least_recently_used():
-    table = BlockTable(TierMemory("device", 0, 8), TierMemory("dram", 5, 8))
-    order = EvictionOrder(table)
-    l1, c1, l2, c2, l3 = range(5)  # rows: l* the store's own blocks, c* copies their writers keep
-    table.duplicate[[c1, c2]] = True
-    order.add(_rows(l1, c1, l2, c2, l3))
-    order.touch(_rows(l1))
-    order.touch(_rows(c1))  # a copy keeps its place among the copies
-    order.discard(_rows(l3))
-    order.discard(_rows(l3))  # discarding twice counts once
-    order.add(_rows(l2))  # in the order already: keeps its place
-    assert len(order) == 4 and order.ids() == [c1, c2, l2, l1]
-    assert order.peek(1) == ([c1], [l2])
-    assert order.pop(3).tolist() == [c1, c2, l2]
-    assert order.pop(1).tolist() == [l1]
-    assert len(order) == 0 and not table.stamp.any()
-    with pytest.raises(KeyError):
-        order.pop(1)
-
-
-def test_the_eviction_order_sheds_its_dead_items_and_keeps_its_order():
-    table = BlockTable(TierMemory("device", 0, 8), TierMemory("dram", 10, 8))
-    order = EvictionOrder(table)
-    order.add(np.arange(10))
-    for _ in range(3000):  # readers pin and unpin: every touch leaves dead items behind
-        order.touch(np.arange(5))
-    queued = sum(len(ids) for q in order._queues for ids, _ in q)
-    assert len(order) == 10 and queued <= 2 * 10 + SHED_AFTER
-    assert order.pop(10).tolist() == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    store = BlockStore(TierMemory("device", 5, 8), TierMemory("dram", 0, 8))
+    l1, c1, l2, c2, l3 = (bytes([i]) * 16 for i in range(5))  # l*: the store's own blocks; c*: copies kept
+    for key, copy in ((l1, False), (c1, True), (l2, False), (c2, True), (l3, False)):
+        lease, _ = store.allocate_put("w", [key], None, 0, "r", writer_keeps_copy=copy)
+        store.commit("w", lease.lease_id, [key], [checksum_of(store.blocks.view(store.blocks.get(key)))])
+    assert store.blocks.order(DEVICE) == [c1, c2, l1, l2, l3]
+    for key in (l1, c1):  # read: most recently used (a copy keeps its place among the copies)
+        lease, _, _ = store.get("r", [key], None, 0, "r")
+        store.release("r", lease.lease_id)
+    assert store.blocks.order(DEVICE) == [c2, c1, l2, l3, l1]
+    lease, _ = store.allocate_put("w", [c2], None, 0, "r")  # an offload of a copy: the store's own now
+    assert store.blocks.order(DEVICE) == [c1, l2, l3, l1, c2]
+    lease, _ = store.allocate_put("w", [bytes([9]) * 16, bytes([8]) * 16], None, 0, "r")  # room for two: c1, l2 go
+    assert store.blocks.order(DEVICE) == [l3, l1, c2] and store.blocks.get(c1) is None
+    assert store.counters.evictions == {DEVICE: 2, DRAM: 0}
 
 
 def duplicates(stack: Stack) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -72,15 +71,9 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
         b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
 
 
-@pytest.mark.parametrize("impl", ["c", "numpy"])
-def test_block_spans_merge_runs_adjacent_on_both_sides_only(impl):
-    from pdserve.kv import transfer
+def test_block_spans_merge_runs_adjacent_on_both_sides_only():
+    from pdserve.kv.transfer import block_spans, coalesce
 
-    if impl == "c":
-        assert transfer._spans_module() is not None, "the C helper must build here (setup installs gcc, python3-dev)"
-        block_spans = transfer.block_spans
-    else:
-        block_spans = transfer.block_spans_numpy
     n = 4096
     pairs = [(0, 8 * n), (n, 9 * n), (2 * n, 10 * n),  # one run of three
              (3 * n, 20 * n),  # adjacent locally only: a new span
@@ -89,59 +82,19 @@ def test_block_spans_merge_runs_adjacent_on_both_sides_only(impl):
     local, remote = [a for a, _ in pairs], [b for _, b in pairs]
     spans = [Span(0, 8 * n, 3 * n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, 3 * n)]
     assert block_spans(local, remote, n) == spans
-    assert block_spans(local, np.array(remote, "<u8"), n) == spans  # as an answer's addresses come
-    assert block_spans(np.array(local, np.uint64), np.array(remote, "<u8")[::-1][::-1], n) == spans
-    assert all(type(x) is int for s in block_spans(local, np.array(remote, "<u8"), n) for x in vars(s).values())
-    assert block_spans(local, remote, n) == transfer.coalesce([Span(a, b, n) for a, b in pairs])
-    # Only the blocks in the wanted state move; the others split runs (a block that does not
-    # move is a gap): blocks 1 and 5 stay.
-    states = bytes([1, 2, 1, 1, 1, 2, 1])
-    assert block_spans(local, remote, n, states, 1) == [
+    assert block_spans(local, remote, n) == coalesce([Span(a, b, n) for a, b in pairs])
+    # Only the blocks that move do; the others split runs (a block that does not move is a gap):
+    # blocks 1 and 5 stay.
+    moves = [True, False, True, True, True, False, True]
+    assert block_spans(local, remote, n, moves) == [
         Span(0, 8 * n, n), Span(2 * n, 10 * n, n), Span(3 * n, 20 * n, n), Span(5 * n, 21 * n, n),
         Span(7 * n, 23 * n, n)]
-    assert block_spans(local, remote, n, states, 2) == [Span(n, 9 * n, n), Span(6 * n, 22 * n, n)]
-    assert block_spans(local, remote, n, states, 3) == []
+    assert block_spans(local, remote, n, [not m for m in moves]) == [Span(n, 9 * n, n), Span(6 * n, 22 * n, n)]
+    assert block_spans(local, remote, n, [False] * 7) == []
     assert block_spans([n], [0], n) == [Span(n, 0, n)]  # address 0 is an address like any other
     assert block_spans([2**64 - n], [0], n) == [Span(2**64 - n, 0, n)]
     assert block_spans([], [], n) == []
-    with pytest.raises(ValueError, match="block_runs: 2 local addresses for 1 remote ones"):
+    with pytest.raises(ValueError, match="block_spans: 2 local addresses for 1 remote ones"):
         block_spans([0, n], [0], n)
-    with pytest.raises(ValueError, match="block_runs: 1 states for 2 blocks"):
-        block_spans([0, n], [0, n], n, b"\x01", 1)
-    with pytest.raises((TypeError, ValueError, OverflowError)):
-        block_spans([-1], [0], n)
-
-
-def test_a_move_is_paced_by_the_fastest_recent_rate_of_moves_of_a_mib_or_more():
-    import itertools
-    import time
-
-    from pdserve.kv.pacing import FINE_S, FIRST_S, MAX_S, PACED_BYTES, Pace
-
-    def first_sleep(pace: Pace, nbytes: int, rate: float):
-        """The first sleep, and the bounds it must lie in: 80% of the expected time from the start."""
-        start = time.perf_counter()
-        sleeps = pace.sleeps(nbytes, start)
-        before = time.perf_counter()
-        first = next(sleeps)
-        after = time.perf_counter()
-        aim = 0.8 * nbytes / rate
-        assert max(0.0, aim - (after - start)) <= first <= aim - (before - start)
-        return sleeps, start
-
-    big = 64 << 20
-    pace = Pace()
-    doubling = [FIRST_S * 2**i for i in range(4)] + [MAX_S] * 2
-    assert list(itertools.islice(pace.sleeps(big, time.perf_counter()), 6)) == doubling  # no history
-    pace.observe(PACED_BYTES - 1, 1e-6)  # small moves teach nothing
-    assert list(itertools.islice(pace.sleeps(big, time.perf_counter()), 6)) == doubling
-    for rate in (2e9, 4e9, 1e9):  # bytes/s; the fastest is taken (expected: 16.8 ms)
-        pace.observe(big, big / rate)
-    sleeps, _ = first_sleep(pace, big, 4e9)
-    # Near the expected end: looks from 30 µs apart, each gap half as long again, to 200 µs.
-    near = [FINE_S, FINE_S * 1.5, FINE_S * 1.5**2, FINE_S * 1.5**3, FINE_S * 1.5**4, MAX_S, MAX_S]
-    assert list(itertools.islice(sleeps, 7)) == pytest.approx(near)
-    assert list(itertools.islice(pace.sleeps(PACED_BYTES - 1, time.perf_counter()), 2)) == doubling[:2]  # unpaced
-    for _ in range(8):  # only the last 8 rates count
-        pace.observe(big, big / 1e9)
-    first_sleep(pace, big, 1e9)
+    with pytest.raises(ValueError, match="block_spans: 1 flags for 2 blocks"):
+        block_spans([0, n], [0, n], n, [True])

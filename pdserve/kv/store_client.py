@@ -1,25 +1,34 @@
-"""Client of the KV store: control plane over gRPC, bytes over the transfer engine (or gRPC)."""
+"""Client of the KV store: control plane over gRPC, bytes over the transfer engine (or gRPC).
+
+Returns dataclasses, never protobuf. Every block it writes is committed with its checksum, and
+every block it reads is verified against the writer's checksum before the caller may use it: a
+block that fails is reported to the store (which drops its copy when that is bad) and is never
+counted as read.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, overload
+import secrets
+import struct
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
 from pdserve import logs
-from pdserve.kv.control_channel import ControlAddress, ControlChannel, rpc_error
+from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
-from pdserve.kv.transfer import Span, Transfer, block_spans
+from pdserve.kv.transfer import Span, Transfer, TransferError, block_spans
 from pdserve.server import channel
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_to_pb, profile_to_pb
 
 log = logs.get("kv.client")
+CLIENT_ID_KEY = "pdserve-client-id"
+WRITE, PRESENT, PENDING = pb.SLOT_STATE_WRITE, pb.SLOT_STATE_PRESENT, pb.SLOT_STATE_PENDING
+
 
 @dataclass(frozen=True)
 class PutResult:
@@ -31,92 +40,68 @@ class PutResult:
 
 @dataclass(frozen=True)
 class GetResult:
-    num_blocks: int  # prefix blocks read (the tail not counted)
+    num_blocks: int  # prefix blocks read and verified (the tail not counted)
     has_tail: bool
     slices: int
-
-
-class SlotInfo(NamedTuple):  # one block's slot, made when `SlotColumns` are indexed or iterated
-    address: int
-    tier: int  # pb.Tier
-    state: int  # pb.SlotState
-
-
-def grpc_host(target: str) -> str:
-    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port", "ipv4:host:port")."""
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        target = target.removeprefix(scheme)
-    if target.startswith("["):
-        return target[1 : target.index("]")]
-    host, sep, _ = target.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"store address {target!r} is not host:port")
-    return host
+    corrupt: int = 0  # blocks that failed their checksum (not read: the prefix ends before the first)
 
 
 @dataclass(frozen=True, slots=True)
-class SlotColumns(Sequence[SlotInfo]):
-    """The slots of one answer, kept as the columns they came in: a 1,024-block answer is read
-    without a tuple per block (the transfer paths use the columns); indexing or iterating gives
-    `SlotInfo`s, slicing gives columns."""
+class Slots:
+    """The slots of one answer, as columns (entry i is block i)."""
 
-    addresses: np.ndarray  # uint64, read in place from the answer's bytes
-    tiers: bytes  # pb.Tier values, one byte each
-    states: bytes  # pb.SlotState values, one byte each
+    addresses: list[int]
+    states: list[int]  # pb.SlotState values
+    tiers: list[int]  # pb.Tier values
+    checksums: list[int]  # the writer's checksums (answers to readers; empty for a put's)
 
     def __len__(self) -> int:
         return len(self.addresses)
 
-    @overload
-    def __getitem__(self, i: int) -> SlotInfo: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> SlotColumns: ...
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return SlotColumns(self.addresses[i], self.tiers[i], self.states[i])
-        return SlotInfo(int(self.addresses[i]), self.tiers[i], self.states[i])
-
-    def __iter__(self) -> Iterator[SlotInfo]:
-        return map(SlotInfo, self.addresses.tolist(), self.tiers, self.states)
+    def __getitem__(self, i: slice) -> Slots:
+        return Slots(self.addresses[i], self.states[i], self.tiers[i], self.checksums[i])
 
 
-def slots_from_pb(m: pb.SlotList) -> SlotColumns:
-    addresses, tiers, states = m.addresses, m.tiers, m.states  # (each read of a field makes a copy)
-    if not len(addresses) == 8 * len(tiers) == 8 * len(states):
-        raise ValueError(f"malformed slot list from the store: {len(addresses)} bytes of addresses (8 each), "
-                         f"{len(tiers)} tiers, {len(states)} states")
-    return SlotColumns(np.frombuffer(addresses, "<u8"), tiers, states)
+def _u64s(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 8}Q", raw))
 
 
-def slot_from_pb(m: pb.Slot) -> SlotInfo:
-    return SlotInfo(m.address, m.tier, m.state)
+def slots_from_pb(m: pb.SlotList) -> Slots:
+    n = len(m.states)
+    if len(m.addresses) != 8 * n or len(m.tiers) != n or len(m.checksums) not in (0, 8 * n):
+        raise ValueError(f"malformed slot list from the store: {len(m.addresses)} bytes of addresses, {n} states, "
+                         f"{len(m.tiers)} tiers, {len(m.checksums)} bytes of checksums")
+    return Slots(_u64s(m.addresses), list(m.states), list(m.tiers), _u64s(m.checksums))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Allocation:
     lease_id: str
-    slots: SlotColumns  # one per hash, then the tail's
+    hashes: list[bytes]
+    slots: Slots  # one per hash, then the tail's
+    has_tail: bool
     hold_lease_id: str = ""  # the store's hold on these blocks for their reader (allocate's hold_ms)
+    commits: list[asyncio.Future] = field(default_factory=list)  # commits sent, their answers not awaited
 
 
 @dataclass(frozen=True)
 class WatchBatch:
     lease_id: str
     indices: list[int]  # positions in the watched hashes; len(hashes) for the tail
-    slots: SlotColumns
+    slots: Slots
 
 
 @dataclass(frozen=True)
 class Pinned:
     lease_id: str  # empty when nothing was found
-    slots: SlotColumns  # the longest stored prefix
-    tail: SlotInfo | None
+    slots: Slots  # the longest stored prefix
+    tail_address: int | None = None
+    tail_checksum: int = 0
 
 
 class StoreClient:
-    """One store, one profile. Local addresses must lie in memory registered with `transfer`."""
+    """One store, one profile. Local addresses must lie in memory registered with `transfer`.
+    Owns its channels and its client id (the store's leases answer to it alone)."""
 
     def __init__(self, target: str, profile: HashProfile, transfer: Transfer | None = None,
                  timeout_s: float = 5.0):
@@ -125,126 +110,223 @@ class StoreClient:
         self.profile_pb = profile_to_pb(profile)
         self.transfer = transfer
         self.timeout_s = timeout_s
-        self._channel: grpc.aio.Channel | None = None  # made on first use, bound to the running loop
+        self.client_id = secrets.token_hex(16)
+        self._metadata = ((CLIENT_ID_KEY, self.client_id),)
+        self._channels: list[grpc.aio.Channel] = []  # made on first use, bound to the running loop
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
         self.segment = ""
+        self.address_used = ""  # the store's Unix address when this host reaches it, else `target`
         self.block_nbytes = profile.layout.block_nbytes
         self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
-        self._control = ControlChannel(self._locate_control)  # allocate, commit, get, renew, release
+        self._connecting: asyncio.Future | None = None
 
     async def connect(self) -> pb.InfoResponse:
-        info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+        """Ask the store where it is (its transfer-engine segment) and switch to its Unix address
+        when this host reaches it."""
+        await self._close_channels()
+        tcp = self._open(self.target)
+        info = await tcp.Info(pb.InfoRequest(), timeout=self.timeout_s)
+        self._stub, self.address_used = tcp, self.target
+        if info.unix_address:
+            unix = self._open(info.unix_address)
+            try:
+                await unix.Info(pb.InfoRequest(), timeout=min(self.timeout_s, 1.0))
+                self._stub, self.address_used = unix, info.unix_address
+            except grpc.aio.AioRpcError:
+                pass  # another host or network namespace: TCP it is
         self.segment = info.segment
         return info
 
-    async def _locate_control(self) -> ControlAddress:
-        """Where the store's control socket is: asked at each (re)connect, as a restarted store
-        listens elsewhere (and has a new transfer-engine segment too)."""
-        info = await self.connect()
-        if not info.control_port:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the store at {self.target} reports no control socket")
-        return ControlAddress(grpc_host(self.target), info.control_port, info.control_unix_name)
+    def _open(self, target: str) -> kvstore_pb2_grpc.KVStoreStub:
+        ch = channel(target)
+        self._channels.append(ch)
+        return kvstore_pb2_grpc.KVStoreStub(ch)
 
-    @property
-    def stub(self) -> kvstore_pb2_grpc.KVStoreStub:
+    async def _stub_ready(self) -> kvstore_pb2_grpc.KVStoreStub:
+        """The stub, connecting first if need be (one connect for the calls that arrive meanwhile)."""
         if self._stub is None:
-            self._channel = channel(self.target)
-            self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+            if self._connecting is None or self._connecting.done():
+                self._connecting = asyncio.ensure_future(self.connect())
+            await asyncio.shield(self._connecting)
         return self._stub
+
+    async def _call(self, method: str, request, retry: bool = True):
+        """One unary call. UNAVAILABLE on the Unix address (the store restarted: its address and
+        segment changed): find it again and retry once."""
+        stub = await self._stub_ready()
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if not (retry and e.code() == grpc.StatusCode.UNAVAILABLE and self.address_used != self.target):
+                raise
+        await self.connect()
+        return await self._call(method, request, retry=False)
+
+    async def _close_channels(self) -> None:
+        channels, self._channels, self._stub = self._channels, [], None
+        for ch in channels:
+            await ch.close()
 
     async def close(self) -> None:
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
-        await self._control.close()
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = self._stub = None
+        await self._close_channels()
 
-    # -- transfer-engine path ---------------------------------------------------------------
+    # -- transfer-engine path: writes ---------------------------------------------------------
     async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                        lease_ms: int = 0, writer_keeps_copy: bool = False, hold_ms: int = 0) -> Allocation:
         """writer_keeps_copy: these blocks stay in our own cache too; hold_ms > 0: a handoff, the
         store holds the blocks for their reader (see AllocatePutRequest)."""
-        resp = await self._control.call("allocate_put", dict(
+        resp = await self._call("AllocatePut", pb.AllocatePutRequest(
             profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms), self.timeout_s)
-        return Allocation(resp.lease_id, slots_from_pb(resp.slots), resp.hold_lease_id)
+            request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms))
+        return Allocation(resp.lease_id, list(hashes), slots_from_pb(resp.slots), bool(tail_key), resp.hold_lease_id)
 
-    async def write(self, slots: SlotColumns, local_addrs: Sequence[int]) -> int:
-        """Write the blocks whose slot says WRITE; returns the slices used."""
+    async def write(self, slots: Slots, local_addrs: Sequence[int]) -> int:
+        """Write the blocks whose slot says WRITE (not committed: see `ship`); returns the slices used."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"write: {len(local_addrs)} local addresses for {len(slots)} slots")
-        spans = block_spans(local_addrs, slots.addresses, self.block_nbytes, slots.states, pb.SLOT_STATE_WRITE)
-        return await asyncio.to_thread(self._require_transfer().write, self.segment, spans)
+        mine = [s == WRITE for s in slots.states]
+        return await self._move(block_spans(local_addrs, slots.addresses, self.block_nbytes, mine), write=True)
 
-    async def commit(self, lease_id: str, keys: Sequence[bytes] = (), tail_ttl_ms: int = 0) -> pb.CommitPutResponse:
-        return await self._control.call("commit_put", dict(lease_id=lease_id, keys=keys, tail_ttl_ms=tail_ttl_ms),
-                                        self.timeout_s)
+    async def commit(self, lease_id: str, hashes: Sequence[bytes], checksums: Sequence[int], tail: bool = False,
+                     tail_checksum: int = 0, tail_ttl_ms: int = 0) -> tuple[int, bool]:
+        """Make written blocks readable, each with the checksum of its bytes; (committed, lease closed)."""
+        resp = await self._call("CommitPut", pb.CommitPutRequest(
+            lease_id=lease_id, block_hashes=hashes_to_pb(hashes), checksums=checksums, tail=tail,
+            tail_checksum=tail_checksum, tail_ttl_ms=tail_ttl_ms))
+        return resp.committed, resp.lease_closed
+
+    async def ship(self, alloc: Allocation, start: int, end: int, local_addrs: Sequence[int],
+                   tail_ttl_ms: int = 0, wait: bool = True) -> int:
+        """Write the blocks [start, end) of an allocation whose slot says WRITE (index
+        len(hashes) is the tail), checksumming them while they move, and commit them. wait=False:
+        the commit's answer is awaited by `finish` (its consumer is the reader's Watch).
+        Returns the slices used."""
+        if len(local_addrs) != end - start:
+            raise ValueError(f"ship: {len(local_addrs)} local addresses for blocks [{start}, {end})")
+        slots = alloc.slots[start:end]
+        picked = [i for i, state in zip(range(start, end), slots.states, strict=True) if state == WRITE]
+        if not picked:
+            return 0
+        ours = [local_addrs[i - start] for i in picked]
+        slices, sums = await asyncio.gather(self.write(slots, local_addrs),
+                                            asyncio.to_thread(checksums_at, ours, self.block_nbytes))
+        tail = picked[-1] == len(alloc.hashes)
+        full = picked[:-1] if tail else picked
+        commit = asyncio.ensure_future(self.commit(alloc.lease_id, [alloc.hashes[i] for i in full], sums[: len(full)],
+                                                   tail, sums[-1] if tail else 0, tail_ttl_ms))
+        if wait:
+            await commit
+        else:
+            alloc.commits.append(commit)
+        return slices
+
+    async def finish(self, alloc: Allocation) -> None:
+        """Await the commits `ship(wait=False)` sent; the first refusal is raised."""
+        commits, alloc.commits = alloc.commits, []
+        for done in await asyncio.gather(*commits, return_exceptions=True):
+            if isinstance(done, BaseException):
+                raise done
 
     async def put(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   request_id: str = "", lease_ms: int = 0, tail_ttl_ms: int = 0,
                   writer_keeps_copy: bool = False) -> PutResult:
-        """Allocate, write, commit. On failure the lease is released, so nothing is stranded."""
+        """Allocate, write, commit (`local_addrs`: the blocks', then the tail's). On failure the
+        lease is released, so nothing is stranded."""
         alloc = await self.allocate(hashes, tail_key, request_id, lease_ms, writer_keeps_copy)
         try:
-            slices = await self.write(alloc.slots, local_addrs)
-            await self.commit(alloc.lease_id, tail_ttl_ms=tail_ttl_ms)
+            slices = await self.ship(alloc, 0, len(alloc.slots), local_addrs, tail_ttl_ms)
         except BaseException:
-            await asyncio.shield(self._release_quietly(alloc.lease_id))  # even when we are cancelled
+            if any(s == WRITE for s in alloc.slots.states):
+                await asyncio.shield(self._release_quietly(alloc.lease_id))  # even when we are cancelled
             raise
         states = alloc.slots.states
-        return PutResult(states.count(pb.SLOT_STATE_WRITE), states.count(pb.SLOT_STATE_PRESENT),
-                         states.count(pb.SLOT_STATE_PENDING), slices)
+        return PutResult(states.count(WRITE), states.count(PRESENT), states.count(PENDING), slices)
+
+    # -- transfer-engine path: reads ----------------------------------------------------------
+    async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
+                  lease_ms: int = 0) -> Pinned:
+        """Pin the longest stored prefix under a lease (release it, or it lapses)."""
+        resp = await self._call("Get", pb.GetRequest(
+            profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
+            request_id=request_id))
+        if not resp.HasField("tail"):
+            return Pinned(resp.lease_id, slots_from_pb(resp.slots))
+        return Pinned(resp.lease_id, slots_from_pb(resp.slots), resp.tail.address, resp.tail.checksum)
+
+    async def read_slots(self, slots: Slots, local_addrs: Sequence[int]) -> list[int]:
+        """Read blocks into local memory and verify them; returns the positions that failed their
+        checksum (empty: every block is good)."""
+        if len(local_addrs) != len(slots):
+            raise ValueError(f"read: {len(local_addrs)} local addresses for {len(slots)} slots")
+        await self._move(block_spans(local_addrs, slots.addresses, self.block_nbytes), write=False)
+        return await asyncio.to_thread(mismatches, local_addrs, self.block_nbytes, slots.checksums)
 
     async def get(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   tail_addr: int | None = None, request_id: str = "", lease_ms: int = 0) -> GetResult:
-        """Read the longest stored prefix of `hashes` (and the tail) into local memory."""
+        """Read the longest stored prefix of `hashes` (and the tail) into local memory. Blocks
+        that fail their checksum are reported; the result counts the good prefix only."""
         pinned = await self.pin(hashes, tail_key, request_id, lease_ms)
         if not pinned.lease_id:
             return GetResult(0, False, 0)
         try:
-            # The prefix found may be shorter than local_addrs.
-            spans = block_spans(local_addrs[: len(pinned.slots)], pinned.slots.addresses, self.block_nbytes)
-            if pinned.tail is not None:
+            n = len(pinned.slots)
+            slots, addrs = pinned.slots, list(local_addrs[:n])
+            if pinned.tail_address is not None:
                 if tail_addr is None:
                     raise ValueError("the store has a tail block but no tail_addr was given")
-                spans.append(Span(tail_addr, pinned.tail.address, self.block_nbytes))
-            slices = await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
+                slots = Slots([*slots.addresses, pinned.tail_address], [*slots.states, PRESENT],
+                              [*slots.tiers, 0], [*slots.checksums, pinned.tail_checksum])
+                addrs.append(tail_addr)
+            bad = await self.read_slots(slots, addrs)
+            if bad:
+                await self.report_corrupt(pinned.lease_id, [hashes[i] for i in bad if i < n], n in bad)
         finally:
             self.release_soon(pinned.lease_id)
-        return GetResult(len(pinned.slots), pinned.tail is not None, slices)
+        good = min([*bad, n])
+        return GetResult(good, pinned.tail_address is not None and n not in bad, len(block_spans(
+            addrs, slots.addresses, self.block_nbytes)), len(bad))
 
-    async def pin(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
-                  lease_ms: int = 0) -> Pinned:
-        """Pin the longest stored prefix under a lease (release it, or it lapses)."""
-        resp = await self._control.call("get", dict(
-            profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id), self.timeout_s)
-        tail = slot_from_pb(resp.tail) if resp.HasField("tail") else None
-        return Pinned(resp.lease_id, slots_from_pb(resp.slots), tail)
+    async def report_corrupt(self, lease_id: str, hashes: Sequence[bytes], tail: bool = False) -> int:
+        """Tell the store these blocks read under `lease_id` failed their checksum; returns how
+        many it found bad in its own memory and dropped."""
+        resp = await self._call("ReportCorrupt", pb.ReportCorruptRequest(
+            lease_id=lease_id, block_hashes=hashes_to_pb(hashes), tail=tail))
+        log.warning("KV blocks failed their checksum", lease_id=lease_id, blocks=len(hashes) + tail,
+                    dropped_by_store=resp.dropped)
+        return resp.dropped
 
     async def watch(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                     lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[WatchBatch]:
         """Batches of blocks as they are committed (each already pinned under the watch's lease)."""
-        call = self.stub.Watch(pb.WatchRequest(
+        stub = await self._stub_ready()
+        call = stub.Watch(pb.WatchRequest(
             profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
-            request_id=request_id), timeout=timeout_s or self.timeout_s)
+            request_id=request_id), timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         try:
             async for event in call:
                 yield WatchBatch(event.lease_id, list(event.indices), slots_from_pb(event.slots))
         finally:
             call.cancel()
 
-    async def read_slots(self, slots: SlotColumns, local_addrs: Sequence[int]) -> int:
-        spans = block_spans(local_addrs, slots.addresses, self.block_nbytes)
-        return await asyncio.to_thread(self._require_transfer().read, self.segment, spans)
+    async def _move(self, spans: list[Span], write: bool) -> int:
+        transfer = self._require_transfer()
+        if not self.segment:
+            await self.connect()
+        move = transfer.write if write else transfer.read
+        try:
+            return await asyncio.to_thread(move, self.segment, spans)
+        except TransferError:
+            self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
+            raise
 
+    # -- leases ---------------------------------------------------------------------------------
     async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
-        return await self._control.call("release_lease", dict(lease_id=lease_id), self.timeout_s)
+        return await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     async def renew(self, lease_id: str, lease_ms: int = 0) -> None:
-        await self._control.call("renew_lease", dict(lease_id=lease_id, lease_ms=lease_ms),
-                                 self.timeout_s)
+        await self._call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms))
 
     def keep_alive(self, lease_id: str, lease_ms: int) -> asyncio.Task:
         """Renew a lease every third of its length until the returned task is cancelled."""
@@ -270,16 +352,14 @@ class StoreClient:
         try:
             await self.release(lease_id)
         except grpc.aio.AioRpcError as e:
-            # The store lapses a lease on its own; NOT_FOUND means it already has.
-            if e.code() != grpc.StatusCode.NOT_FOUND:
+            # The store lapses a lease on its own: one already ended is not a failure here.
+            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 log.warning("lease release failed; the store lapses it on its own", lease_id=lease_id,
                             code=e.code().name, message=e.details())
 
     def _require_transfer(self) -> Transfer:
         if self.transfer is None:
             raise RuntimeError("this StoreClient has no transfer engine: use put_bytes/get_bytes")
-        if not self.segment:
-            raise RuntimeError("call connect() first")
         return self.transfer
 
     # -- gRPC-bytes path --------------------------------------------------------------------
@@ -294,14 +374,17 @@ class StoreClient:
             for i in range(0, len(data), chunk_bytes):
                 yield pb.PutBytesRequest(data=bytes(view[i : i + chunk_bytes]))
 
-        return await self.stub.PutBytes(messages(), timeout=self.timeout_s)
+        stub = await self._stub_ready()
+        return await stub.PutBytes(messages(), timeout=self.timeout_s, metadata=self._metadata)
 
     async def get_bytes(self, hashes: Sequence[bytes], tail_key: str = "",
                         request_id: str = "") -> tuple[int, bool, bytes]:
-        """(blocks incl. the tail, has_tail, their bytes in order)."""
-        call = self.stub.GetBytes(pb.GetBytesRequest(profile=self.profile_pb, block_hashes=hashes_to_pb(hashes),
-                                                     tail_key=tail_key, request_id=request_id),
-                                  timeout=self.timeout_s)
+        """(blocks incl. the tail, has_tail, their bytes in order). The store verifies them before
+        sending; one that fails ends the call with DATA_LOSS."""
+        stub = await self._stub_ready()
+        call = stub.GetBytes(pb.GetBytesRequest(profile=self.profile_pb, block_hashes=hashes_to_pb(hashes),
+                                                tail_key=tail_key, request_id=request_id),
+                             timeout=self.timeout_s, metadata=self._metadata)
         head = None
         parts = []
         async for msg in call:
@@ -312,4 +395,5 @@ class StoreClient:
         return head.num_blocks, head.has_tail, b"".join(parts)
 
     async def stats(self) -> pb.StatsResponse:
-        return await self.stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        return await self._call("Stats", pb.StatsRequest())
+

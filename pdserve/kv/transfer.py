@@ -7,22 +7,18 @@ remotely moves as one slice: at ~45 µs per slice here, coalescing is what makes
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
-import numpy as np
 import torch
 
 from pdserve import logs
-from pdserve.kv.pacing import Pace, fine_timer_slack
-from pdserve.native import NativeUnavailable, build_module
 
 log = logs.get("kv.transfer")
-SPANS_SOURCES = [Path(__file__).with_name("csrc") / "spans.c"]
+
+
+FIRST_SLEEP_S, MAX_SLEEP_S = 20e-6, 1e-3  # polls of a move in flight: 20 µs apart, doubling to 1 ms
 
 
 class TransferError(RuntimeError):
@@ -31,7 +27,6 @@ class TransferError(RuntimeError):
 
 # What an async submit returns when it could not start: 0, or -1 as the engine's unsigned batch id.
 _NO_BATCH = (0, 2**64 - 1)
-_U64 = np.dtype("<u8")  # the store's answers carry addresses as little-endian uint64
 
 
 @dataclass(frozen=True)
@@ -41,50 +36,18 @@ class Span:
     nbytes: int
 
 
-@functools.cache
-def _spans_module() -> ModuleType | None:
-    """csrc/spans.c, built on first use (pdserve/native.py); None where it cannot be."""
-    try:
-        return build_module("_kvspans", SPANS_SOURCES, ["-O2", "-fPIC", "-std=gnu11"])
-    except NativeUnavailable as e:
-        log.warning("transfer spans found with numpy: the C helper cannot be built here", reason=str(e))
-        return None
-
-
-def block_spans(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int,
-                states: bytes | None = None, want: int = 0) -> list[Span]:
+def block_spans(local: Sequence[int], remote: Sequence[int], nbytes: int, moves: Sequence[bool] | None = None
+                ) -> list[Span]:
     """Spans for blocks of `nbytes`, block i from local[i] to remote[i], neighbours adjacent on
-    both sides merged (order kept): a span per run, not per block. With `states` (a byte per
-    block), only the blocks whose state is `want` move. One C pass (csrc/spans.c) where it could
-    be built, else numpy."""
-    module = _spans_module()
-    if module is None:
-        return block_spans_numpy(local, remote, nbytes, states, want)
-    if not (isinstance(remote, np.ndarray) and remote.dtype == _U64 and remote.flags.c_contiguous):
-        remote = np.ascontiguousarray(remote, _U64)
-    if states is None:
-        return [Span(*run) for run in module.block_runs(local, remote, nbytes)]
-    return [Span(*run) for run in module.block_runs(local, remote, nbytes, states, want)]
-
-
-
-def block_spans_numpy(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray, nbytes: int,
-                      states: bytes | None = None, want: int = 0) -> list[Span]:
-    """`block_spans` in numpy (a dozen array operations: 78 µs for 64 blocks, cold)."""
+    both sides merged (order kept): a span per run, not per block. With `moves`, only the
+    blocks marked True move (the others split runs)."""
     if len(local) != len(remote):
-        raise ValueError(f"block_runs: {len(local)} local addresses for {len(remote)} remote ones")
-    if states is not None and len(states) != len(local):
-        raise ValueError(f"block_runs: {len(states)} states for {len(local)} blocks")
-    loc, rem, step = np.asarray(local, np.uint64), np.asarray(remote, np.uint64), np.uint64(nbytes)
-    if states is not None:
-        moves = np.frombuffer(states, np.uint8) == want
-        loc, rem = loc[moves], rem[moves]
-    if not len(loc):
-        return []
-    breaks = (np.flatnonzero((loc[1:] != loc[:-1] + step) | (rem[1:] != rem[:-1] + step)) + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, len(loc)]
-    return [Span(a, b, (end - start) * nbytes)
-            for a, b, start, end in zip(loc[starts].tolist(), rem[starts].tolist(), starts, ends, strict=True)]
+        raise ValueError(f"block_spans: {len(local)} local addresses for {len(remote)} remote ones")
+    if moves is not None and len(moves) != len(local):
+        raise ValueError(f"block_spans: {len(moves)} flags for {len(local)} blocks")
+    picked = zip(local, remote, strict=True) if moves is None else (
+        (a, b) for a, b, m in zip(local, remote, moves, strict=True) if m)
+    return coalesce([Span(int(a), int(b), nbytes) for a, b in picked])
 
 
 def coalesce(spans: Sequence[Span]) -> list[Span]:
@@ -116,7 +79,6 @@ class Transfer:
             raise TransferError(f"transfer engine failed to initialize on {host} ({protocol}): rc={rc}")
         self.segment = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[tuple[int, int]] = []
-        self._paces: dict[tuple[str, bool], Pace] = {}  # (peer, write) -> its recent rate (pacing.py)
 
     def register(self, tensor: torch.Tensor) -> None:
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -145,10 +107,9 @@ class Transfer:
         return self._move(peer, spans, write=True)
 
     def _move(self, peer: str, spans: Sequence[Span], write: bool) -> int:
-        """Submit each slice as a batch of its own, then poll them, sleeping between polls, as
-        long as moves like it took lately (pacing.py). The engine's sync calls spin on the status
-        for the whole move: a CPU's worth of work that, on a shared core, the engine step or the
-        prefill beside it would lose.
+        """Submit each slice as a batch of its own, then poll them, sleeping between polls (from
+        20 µs, doubling to 1 ms): the engine's sync calls spin on the status for the whole move,
+        a CPU's worth of work that, on a shared core, the engine step beside it would lose.
 
         One slice per batch is for correctness, not speed: the engine's status call reads the
         first task of a batch only (and frees the batch once that one is done), so a batch of
@@ -157,11 +118,8 @@ class Transfer:
         merged = coalesce(spans)
         if not merged:
             return 0
-        fine_timer_slack()
         nbytes = sum(s.nbytes for s in merged)
-        pace = self._paces.get((peer, write)) or self._paces.setdefault((peer, write), Pace())
-        start = time.perf_counter()
-        sleeps = pace.sleeps(nbytes, start)
+        sleep_s = FIRST_SLEEP_S
         submit = self.engine.batch_transfer_async_write if write else self.engine.batch_transfer_async_read
         pending: list[int] = []
         errors: list[str] = []
@@ -181,10 +139,10 @@ class Transfer:
                     errors.append("failed" if status == -1 else "timed out")
             pending = waiting
             if pending:
-                time.sleep(next(sleeps))
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, MAX_SLEEP_S)
         if errors:
             what = ", ".join(sorted(set(errors)))
             raise TransferError(f"transfer {'to' if write else 'from'} {peer} failed ({what}; {len(merged)} slices, "
                                 f"{nbytes} bytes)")
-        pace.observe(nbytes, time.perf_counter() - start)
         return len(merged)

@@ -29,50 +29,52 @@ SLOT_STATE_PRESENT: SlotState
 SLOT_STATE_PENDING: SlotState
 
 class SlotList(_message.Message):
-    __slots__ = ("addresses", "tiers", "states")
+    __slots__ = ("addresses", "tiers", "states", "checksums")
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     addresses: bytes
     tiers: bytes
     states: bytes
-    def __init__(self, addresses: _Optional[bytes] = ..., tiers: _Optional[bytes] = ..., states: _Optional[bytes] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, addresses: _Optional[bytes] = ..., tiers: _Optional[bytes] = ..., states: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("key", "address", "tier", "state")
+    __slots__ = ("key", "address", "tier", "state", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     address: int
     tier: Tier
     state: SlotState
-    def __init__(self, key: _Optional[bytes] = ..., address: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., state: _Optional[_Union[SlotState, str]] = ...) -> None: ...
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., address: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., state: _Optional[_Union[SlotState, str]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "control_port", "control_unix_name")
+    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "unix_address")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
-    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
-    CONTROL_UNIX_NAME_FIELD_NUMBER: _ClassVar[int]
+    UNIX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     profile: _common_pb2.HashProfile
     block_nbytes: int
     device_capacity_blocks: int
     dram_capacity_blocks: int
     device_kind: str
-    control_port: int
-    control_unix_name: str
-    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., control_port: _Optional[int] = ..., control_unix_name: _Optional[str] = ...) -> None: ...
+    unix_address: str
+    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., unix_address: _Optional[str] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy", "hold_ms")
@@ -105,14 +107,20 @@ class AllocatePutResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., hold_lease_id: _Optional[str] = ...) -> None: ...
 
 class CommitPutRequest(_message.Message):
-    __slots__ = ("lease_id", "keys", "tail_ttl_ms")
+    __slots__ = ("lease_id", "block_hashes", "tail_ttl_ms", "checksums", "tail", "tail_checksum")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAIL_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    TAIL_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: bytes
     tail_ttl_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tail_ttl_ms: _Optional[int] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    tail: bool
+    tail_checksum: int
+    def __init__(self, lease_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., tail_ttl_ms: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., tail: _Optional[bool] = ..., tail_checksum: _Optional[int] = ...) -> None: ...
 
 class CommitPutResponse(_message.Message):
     __slots__ = ("committed", "lease_closed")
@@ -200,51 +208,6 @@ class ReleaseLeaseResponse(_message.Message):
     reclaimed: int
     def __init__(self, unpinned: _Optional[int] = ..., reclaimed: _Optional[int] = ...) -> None: ...
 
-class ControlRequest(_message.Message):
-    __slots__ = ("call_id", "allocate_put", "commit_put", "get", "renew_lease", "release_lease", "trace_context")
-    class TraceContextEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATE_PUT_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_PUT_FIELD_NUMBER: _ClassVar[int]
-    GET_FIELD_NUMBER: _ClassVar[int]
-    RENEW_LEASE_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    allocate_put: AllocatePutRequest
-    commit_put: CommitPutRequest
-    get: GetRequest
-    renew_lease: RenewLeaseRequest
-    release_lease: ReleaseLeaseRequest
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, call_id: _Optional[int] = ..., allocate_put: _Optional[_Union[AllocatePutRequest, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
-
-class ControlResponse(_message.Message):
-    __slots__ = ("call_id", "status_code", "status_message", "allocate_put", "commit_put", "get", "renew_lease", "release_lease")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
-    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATE_PUT_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_PUT_FIELD_NUMBER: _ClassVar[int]
-    GET_FIELD_NUMBER: _ClassVar[int]
-    RENEW_LEASE_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    status_code: int
-    status_message: str
-    allocate_put: AllocatePutResponse
-    commit_put: CommitPutResponse
-    get: GetResponse
-    renew_lease: RenewLeaseResponse
-    release_lease: ReleaseLeaseResponse
-    def __init__(self, call_id: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., allocate_put: _Optional[_Union[AllocatePutResponse, _Mapping]] = ..., commit_put: _Optional[_Union[CommitPutResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., renew_lease: _Optional[_Union[RenewLeaseResponse, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseResponse, _Mapping]] = ...) -> None: ...
-
 class PutBytesHeader(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "tail_lease_ms", "request_id")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +229,22 @@ class PutBytesRequest(_message.Message):
     header: PutBytesHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[PutBytesHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("lease_id", "block_hashes", "tail")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    block_hashes: bytes
+    tail: bool
+    def __init__(self, lease_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., tail: _Optional[bool] = ...) -> None: ...
+
+class ReportCorruptResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class PutBytesResponse(_message.Message):
     __slots__ = ("written", "already_present")
@@ -324,7 +303,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., duplicate_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected")
+    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected", "corrupt_blocks", "fenced_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +312,8 @@ class StatsResponse(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     WATCHERS_FIELD_NUMBER: _ClassVar[int]
     REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     hits: int
     misses: int
@@ -341,4 +322,6 @@ class StatsResponse(_message.Message):
     active_leases: int
     watchers: int
     redis_connected: bool
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ...) -> None: ...
+    corrupt_blocks: int
+    fenced_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/pdserve.v1.KVStore/ReportCorrupt',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.FromString,
+                _registered_method=True)
         self.PutBytes = channel.stream_unary(
                 '/pdserve.v1.KVStore/PutBytes',
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.PutBytesRequest.SerializeToString,
@@ -106,8 +111,9 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitPut(self, request, context):
-        """Writer, step 2 (after writing the bytes): make blocks readable. Idempotent; may be called
-        once per block as each is written. Committing every slot closes the lease.
+        """Writer, step 2 (after writing the bytes): make blocks readable, each with its checksum. May
+        be called once per block as each is written. Committing every slot closes the lease; a
+        commit on a closed, lapsed or unknown lease is refused (FAILED_PRECONDITION / NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,7 +143,16 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """End a lease: reads unpin; a write lease reclaims its uncommitted slots.
+        """End a lease: reads unpin; a write lease's uncommitted slots are fenced (quarantined) and
+        then reclaimed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCorrupt(self, request, context):
+        """Reader: blocks it read under its lease failed their checksum. The store verifies its own
+        copy and drops it when it is bad (never served again); the reader recomputes or fails.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,6 +214,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.SerializeToString,
             ),
             'PutBytes': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBytes,
@@ -405,6 +425,33 @@ class KVStore:
             '/pdserve.v1.KVStore/ReleaseLease',
             pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStore/ReportCorrupt',
+            pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.FromString,
             options,
             channel_credentials,
             insecure,

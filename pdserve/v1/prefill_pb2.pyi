@@ -22,14 +22,13 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., tail_key: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "block_hashes", "tail_key", "usage", "timings", "kv_checksums", "kv_hold_lease_id")
+    __slots__ = ("request_id", "first_token", "block_hashes", "tail_key", "usage", "timings", "kv_hold_lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
-    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     KV_HOLD_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: _common_pb2.TokenEvent
@@ -37,9 +36,8 @@ class PrefillResponse(_message.Message):
     tail_key: str
     usage: _common_pb2.Usage
     timings: _common_pb2.Timings
-    kv_checksums: _containers.RepeatedScalarFieldContainer[int]
     kv_hold_lease_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_checksums: _Optional[_Iterable[int]] = ..., kv_hold_lease_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_hold_lease_id: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")

@@ -16,18 +16,17 @@ from pdserve import logs, telemetry
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
-from pdserve.errors import InvalidArgument, NotFound, PdserveError, ResourceExhausted, Unavailable
+from pdserve.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pdserve.model.tokenizer import TextStream
 from pdserve.serving.bootstrap import Worker
 from pdserve.serving.engine_thread import Progress
-from pdserve.serving.kv_pages import block_checksums
 
 log = logs.get("decode")
 tracer = telemetry.tracer("pdserve.decode")
 
 
-class CorruptKV(PdserveError):
-    """A pulled block does not match what prefill computed: never decode from it."""
+class CorruptKV(DataLoss):
+    """A pulled block fails its writer's checksum: never decode from it."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,6 @@ class FirstToken:
     token_id: int
     logprob: float
     block_hashes: list[bytes]
-    checksums: list[int]
     hold_lease_id: str = ""  # the store's hold on the prompt's blocks: released once they are pulled
 
 
@@ -198,14 +196,6 @@ class Decoder:
         first: FirstToken = entry.first.result()
         if list(first.block_hashes) != list(res.prompt_hashes):
             raise InvalidArgument("prefill's block hashes do not match this request's prompt")
-        pulled = list(range(n_local, n_local + len(pages)))
-        if first.checksums:
-            # Off the engine thread: these pages are reserved and not yet decoded from, so nothing writes them.
-            ours = await asyncio.to_thread(block_checksums, self.w.engine.engine.kv_cache, pages)
-            # 0: a block prefill did not write itself (the store had it), so it has no checksum for it.
-            bad = [i for i, c in zip(pulled, ours, strict=True) if first.checksums[i] not in (0, c)]
-            if bad:
-                raise CorruptKV(f"KV blocks {bad[:5]} of request {req.request_id!r} fail their checksum")
         return first
 
     async def _pull(self, rid: str, keys: list[bytes], tail_key: str, pages: list[int], entry: InFlight) -> None:
@@ -216,7 +206,17 @@ class Decoder:
         got = 0
         async for batch in store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600):
             lease = batch.lease_id
-            await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
+            # Verified off the engine thread: these pages are reserved and not yet decoded from.
+            bad = await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
+            if bad:
+                at = [batch.indices[i] for i in bad]
+                try:
+                    await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
+                                                              len(keys) in at))
+                finally:
+                    store.release_soon(lease)
+                raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from the "
+                                "store; retry the request to recompute them")
             got += len(batch.indices)
             entry.last_activity = time.monotonic()
             if got == len(pages):

@@ -32,8 +32,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         p = request.prefill
         if not request.request_id or request.request_id != p.request_id:
             raise InvalidArgument("FirstToken: request_id must be set and match the prefill response")
-        first = FirstToken(p.first_token.token_id, p.first_token.logprob, list(p.block_hashes),
-                           list(p.kv_checksums), p.kv_hold_lease_id)
+        first = FirstToken(p.first_token.token_id, p.first_token.logprob, list(p.block_hashes), p.kv_hold_lease_id)
         try:
             self.decoder.deliver_first_token(request.request_id, first)
         except NotFound:

@@ -17,12 +17,10 @@ from pdserve.server import build_server
 from pdserve.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.control_socket import ControlSocket
 from services.kvstore.memory import TierMemory
 from services.kvstore.redis_index import RedisIndex
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.store import BlockStore
-from services.kvstore.views import committed_blocks
 
 log = logs.get("kvstore")
 
@@ -58,33 +56,29 @@ async def main() -> None:
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     transfer.register(device.buffer)
     transfer.register(dram.buffer)
-    store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000)
-    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), lambda: committed_blocks(store))
+    store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000)
+    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
     store.index = index
+    # (abstract Unix sockets are Linux's; the name is unique to this process)
+    unix = f"unix-abstract:pdserve-kvstore-{uuid.uuid4().hex}" if cfg.unix and sys.platform == "linux" else ""
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
-                               redis_connected=lambda: index.connected)
+                               redis_connected=lambda: index.connected, unix_address=unix)
 
     def register(server) -> list[str]:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
         return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
 
     gc_tuning.tune()  # a store holds an object per block: default collections pause it for long
-    control = ControlSocket(servicer.control, store.deferred)
-    if cfg.control_unix and sys.platform == "linux":  # (abstract Unix sockets are Linux's)
-        servicer.control_unix_name = f"pdserve-kvstore-{uuid.uuid4().hex}"
-    servicer.control_port = await control.start(cfg.host, cfg.control_port, servicer.control_unix_name)
-    handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s)
+    handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s, also_at=(unix,) if unix else ())
     stopped = handle.install_signal_handlers()
     index.start()
     reaper = asyncio.get_running_loop().create_task(_reap(store))
-    log.info("kvstore ready", port=handle.port, control_port=servicer.control_port,
-             control_unix_name=servicer.control_unix_name, segment=transfer.segment,
+    log.info("kvstore ready", port=handle.port, unix_address=unix, segment=transfer.segment,
              block_nbytes=block_nbytes, device_blocks=device.info.num_slots, device_kind=device.info.kind,
              dram_blocks=dram.info.num_slots, layout=profile.layout.describe())
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
-    await control.close()
     reaper.cancel()
     try:
         await asyncio.wait_for(index.stop(), timeout=2.0)  # a last flush; Redis may be gone

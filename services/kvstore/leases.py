@@ -1,29 +1,70 @@
-"""The store's leases: ids, deadlines, and the ones recently closed.
+"""The store's leases: small typed records, random ids, deadlines, owners.
 
-A closed lease is remembered (the last 4,096) so that a commit or release repeated after it
-closed is answered as done, not as unknown. What a lease pins is the store's business."""
+A read or write lease belongs to the client that opened it (its `owner`, the client id it
+sent); a hold lease is a capability: the handoff passes its id to the reader, and whoever has
+it may release it. Ids are 128 random bits, so none can be guessed. A lease that ended is
+remembered (the last few thousand) with how it ended, so that a late call on it is refused with
+a reason rather than as unknown; nothing on an ended lease is ever answered as done.
+"""
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from pdserve.errors import NotFound
-from services.kvstore.entries import Lease
+from pdserve.errors import FailedPrecondition, NotFound, PermissionDenied
+from services.kvstore.blocks import Block
 
-CLOSED_REMEMBERED = 4096
+ENDED_REMEMBERED = 4096
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: str
+    owner: str
+    request_id: str
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class WriteLease(Lease):
+    uncommitted: dict[bytes, Block] = field(default_factory=dict)  # key -> the block it still has to commit
+    named: frozenset[bytes] = frozenset()  # every key the put named (its own writes or not)
+    tail_key: bytes | None = None
+    hold_id: str = ""  # the hold on this put's blocks, if any
+
+
+@dataclass(slots=True, eq=False)
+class ReadLease(Lease):
+    blocks: list[Block] = field(default_factory=list)  # those it pins, the tail included
+    tail: Block | None = None
+    watching: bool = False  # a live Watch stream keeps it from lapsing
+
+
+@dataclass(slots=True, eq=False)
+class HoldLease(Lease):
+    blocks: list[Block] = field(default_factory=list)
+    hold_s: float = 0.0  # how long it outlives the put's last commit
+
+
+@dataclass(eq=False)
+class Watcher:
+    lease: ReadLease
+    wanted: dict[bytes, int]  # key -> index in the request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
 class Leases:
-    """Owns the open leases of one store, by id."""
+    """Owns the open leases of one store, by id, and the memory of recently ended ones."""
 
     def __init__(self, default_s: float, clock: Callable[[], float]):
         self.default_s = default_s
         self.clock = clock
         self._open: dict[str, Lease] = {}
-        self._closed: OrderedDict[str, None] = OrderedDict()
-        self._ids = itertools.count(1)
+        self._ended: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
 
     def __len__(self) -> int:
         return len(self._open)
@@ -35,31 +76,38 @@ class Leases:
         """A requested length; 0 asks for the store's default."""
         return lease_ms / 1000 if lease_ms > 0 else self.default_s
 
-    def new(self, kind: str, lease_ms: int, request_id: str) -> Lease:
-        lease = Lease(f"{kind[0]}{next(self._ids)}", kind, self.clock() + self.seconds(lease_ms), request_id)
+    def open(self, kind: type[Lease], owner: str, lease_ms: int, request_id: str, **fields) -> Lease:
+        lease = kind(secrets.token_hex(16), owner, request_id, self.clock() + self.seconds(lease_ms), **fields)
         self._open[lease.lease_id] = lease
         return lease
 
-    def get(self, lease_id: str) -> Lease | None:
-        return self._open.get(lease_id)
-
-    def closed(self, lease_id: str) -> bool:
-        """Closed lately (not lapsed out of memory, nor never opened)."""
-        return lease_id in self._closed
-
-    def close(self, lease: Lease) -> None:
-        self._open.pop(lease.lease_id, None)
-        self._closed[lease.lease_id] = None
-        while len(self._closed) > CLOSED_REMEMBERED:
-            self._closed.popitem(last=False)
-
-    def renew(self, lease_id: str, lease_ms: int) -> float:
+    def find(self, lease_id: str, owner: str | None, kind: type[Lease] | tuple[type[Lease], ...] = Lease) -> Lease:
+        """The open lease `lease_id`, checked to be `owner`'s (None: a hold's capability is enough)
+        and of `kind`; refused clearly otherwise."""
         lease = self._open.get(lease_id)
         if lease is None:
-            raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
+            how = self._ended.get(lease_id)
+            if how is None:
+                raise NotFound(f"lease {lease_id!r} is unknown")
+            raise FailedPrecondition(f"lease {lease_id!r} has {how}: nothing more can be done under it")
+        if owner is not None and not isinstance(lease, HoldLease) and lease.owner != owner:
+            raise PermissionDenied(f"lease {lease_id!r} belongs to another client")
+        if not isinstance(lease, kind):
+            raise FailedPrecondition(f"lease {lease_id!r} is a {type(lease).__name__}, not what this call needs")
+        return lease
+
+    def end(self, lease: Lease, how: str) -> None:
+        self._open.pop(lease.lease_id, None)
+        self._ended[lease.lease_id] = how
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def renew(self, lease_id: str, owner: str, lease_ms: int) -> float:
+        lease = self.find(lease_id, owner)
         lease.deadline = self.clock() + self.seconds(lease_ms)
         return lease.deadline
 
-    def lapsed(self, now: float) -> list[str]:
+    def lapsed(self, now: float) -> list[Lease]:
         """Open leases past their deadline; a live Watch stream keeps its lease from lapsing."""
-        return [lid for lid, lease in self._open.items() if lease.deadline < now and not lease.watching]
+        return [lease for lease in self._open.values()
+                if lease.deadline < now and not (isinstance(lease, ReadLease) and lease.watching)]

@@ -2,56 +2,26 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
-import grpc
-import numpy as np
-
-from pdserve import logs, telemetry
-from pdserve.errors import InvalidArgument
-from pdserve.kv.control_frames import set_fields
+from pdserve import logs
+from pdserve.errors import DataLoss, InvalidArgument
+from pdserve.kv.checksum import checksum_of
 from pdserve.kv.layout import HashProfile
-from pdserve.server import refusal
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
-from services.kvstore.entries import TIER_CODE
-from services.kvstore.store import DEVICE, DRAM, BlockStore, SlotRef, Slots, SlotState
-from services.kvstore.views import tier_stats
+from services.kvstore.blocks import Block
+from services.kvstore.store import DEVICE, DRAM, BlockStore, Slot, SlotState
 
 log = logs.get("kvstore")
 
+CLIENT_ID_KEY = "pdserve-client-id"  # gRPC metadata: who opens and owns a lease
 _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
-
-
-def _translation(codes: dict[int, int]) -> bytes:
-    """A bytes.translate table: the store's one-byte code -> the protocol's."""
-    table = bytearray(256)
-    for ours, theirs in codes.items():
-        table[ours] = theirs
-    return bytes(table)
-
-
-# The same for a whole column of one-byte codes at once (Slots.tier_codes, Slots.states).
-_TIER_TABLE = _translation({TIER_CODE[tier]: code for tier, code in _TIER.items()})
-_STATE_TABLE = _translation(_STATE)
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
-# Control socket: the oneof field of each call (also its handler here) -> its unary RPC's name.
-_CONTROL = {"allocate_put": "AllocatePut", "commit_put": "CommitPut", "get": "Get", "renew_lease": "RenewLease",
-            "release_lease": "ReleaseLease"}
-
-
-def _slot_pb(ref: SlotRef) -> pb.Slot:
-    return pb.Slot(key=ref.key, address=ref.address, tier=_TIER[ref.tier], state=_STATE[ref.state])
-
-
-def _slots_fields(slots: Slots) -> dict:
-    """A SlotList's fields, each column as one bytes object (a message is built once, where it
-    goes: building one and then placing it in another copies it)."""
-    return {"addresses": slots.addresses.tobytes(), "tiers": slots.tier_codes.translate(_TIER_TABLE),
-            "states": slots.states.translate(_STATE_TABLE)}
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -62,11 +32,17 @@ def _tail(key: str) -> bytes | None:
     return ("tail:" + key).encode() if key else None
 
 
+def client_id(context) -> str:
+    """The caller's client id (metadata `pdserve-client-id`), required on calls that touch leases."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_KEY and value:
+            return value
+    raise InvalidArgument(f"name your client: metadata {CLIENT_ID_KEY!r} is missing")
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
-                 max_blocks: int, redis_connected=lambda: False):
-        self.control_port = 0  # set once the control socket listens
-        self.control_unix_name = ""  # (the same socket for clients on this host, if offered)
+                 max_blocks: int, redis_connected=lambda: False, unix_address: str = ""):
         self.store = store
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
@@ -74,86 +50,79 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.device_kind = device_kind
         self.max_blocks = max_blocks
         self.redis_connected = redis_connected
+        self.unix_address = unix_address
 
-    def _check(self, profile, hashes: bytes, request_id: str) -> np.ndarray:
-        """The request's hashes, packed as the store keeps them (table.pack)."""
+    def _hashes(self, profile, raw: bytes, request_id: str = "") -> list[bytes]:
         logs.bind_request_id(request_id)
-        if profile != self.profile_pb:  # the same message as ours is the common case, and cheap to see
+        if profile is not None and profile != self.profile_pb:  # the same message as ours is the common case
             require_profile(profile, self.profile)
-        return hashes_from_pb(hashes, self.max_blocks)
+        hashes_from_pb(raw, self.max_blocks)  # checks the length and the limit
+        return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+    def _slot_list(self, slots: list[Slot], with_checksums: bool = False) -> pb.SlotList:
+        blocks = self.store.blocks
+        return pb.SlotList(
+            addresses=struct.pack(f"<{len(slots)}Q", *(blocks.address(s.block) for s in slots)),
+            tiers=bytes(_TIER[s.block.tier] for s in slots), states=bytes(_STATE[s.state] for s in slots),
+            checksums=struct.pack(f"<{len(slots)}Q", *(s.block.checksum for s in slots)) if with_checksums else b"")
+
+    def _read_list(self, blocks: list[Block]) -> pb.SlotList:
+        return self._slot_list([Slot(b, SlotState.PRESENT) for b in blocks], with_checksums=True)
+
+    def _slot(self, b: Block) -> pb.Slot:
+        return pb.Slot(key=b.key, address=self.store.blocks.address(b), tier=_TIER[b.tier],
+                       state=pb.SLOT_STATE_PRESENT, checksum=b.checksum)
 
     async def Info(self, request, context):
         return pb.InfoResponse(
             segment=self.segment, profile=self.profile_pb, block_nbytes=self.store.block_nbytes,
             device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
             dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
-            control_port=self.control_port, control_unix_name=self.control_unix_name)
-
-    # -- control calls: served alike as unary RPCs and on the control socket; each returns
-    # its response's fields, made into the message where it goes (alone, or in a ControlResponse).
-    def allocate_put(self, request: pb.AllocatePutRequest) -> dict:
-        hashes = self._check(request.profile, request.block_hashes, request.request_id)
-        lease, refs = self.store.allocate_put(hashes, _tail(request.tail_key), request.lease_ms, request.request_id,
-                                              request.writer_keeps_copy, request.hold_ms)
-        return {"lease_id": lease.lease_id, "slots": _slots_fields(refs),
-                "lease_deadline_unix_ms": _unix_ms(lease.deadline), "hold_lease_id": lease.hold_id}
-
-    def commit_put(self, request: pb.CommitPutRequest) -> dict:
-        keys = list(request.keys) or None
-        count, closed = self.store.commit(request.lease_id, keys, request.tail_ttl_ms)
-        return {"committed": count, "lease_closed": closed}
-
-    def get(self, request: pb.GetRequest) -> dict:
-        hashes = self._check(request.profile, request.block_hashes, request.request_id)
-        lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
-        if lease is None:
-            return {}
-        return {"lease_id": lease.lease_id, "slots": _slots_fields(refs), "tail": _slot_pb(tail) if tail else None,
-                "lease_deadline_unix_ms": _unix_ms(lease.deadline)}
-
-    def renew_lease(self, request: pb.RenewLeaseRequest) -> dict:
-        deadline = self.store.leases.renew(request.lease_id, request.lease_ms)
-        return {"lease_deadline_unix_ms": _unix_ms(deadline)}
-
-    def release_lease(self, request: pb.ReleaseLeaseRequest) -> dict:
-        unpinned, reclaimed = self.store.release(request.lease_id)
-        return {"unpinned": unpinned, "reclaimed": reclaimed}
-
-    def control(self, request: pb.ControlRequest) -> pb.ControlResponse:
-        """One control-socket call: answered with the result, or with the status and message
-        the unary call would have ended with."""
-        call = request.WhichOneof("call")
-        if call is None:
-            return pb.ControlResponse(call_id=request.call_id, status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                      status_message="control: the message names no call")
-        method = _CONTROL[call]
-        try:
-            with telemetry.message_span(f"/pdserve.v1.KVStore/{method}", request.trace_context):
-                result = getattr(self, call)(getattr(request, call))
-        except Exception as e:  # noqa: BLE001 - a failed call is answered; the connection goes on
-            code, message = refusal(e, f"control/{method}")
-            return pb.ControlResponse(call_id=request.call_id, status_code=code.value[0], status_message=message)
-        return pb.ControlResponse(call_id=request.call_id, **{call: set_fields(result)})
+            unix_address=self.unix_address)
 
     async def AllocatePut(self, request, context):
-        return pb.AllocatePutResponse(**self.allocate_put(request))
+        hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
+        lease, slots = self.store.allocate_put(client_id(context), hashes, _tail(request.tail_key), request.lease_ms,
+                                               request.request_id, request.writer_keeps_copy, request.hold_ms)
+        return pb.AllocatePutResponse(lease_id=lease.lease_id, slots=self._slot_list(slots),
+                                      lease_deadline_unix_ms=_unix_ms(lease.deadline), hold_lease_id=lease.hold_id)
 
     async def CommitPut(self, request, context):
-        return pb.CommitPutResponse(**self.commit_put(request))
+        hashes = self._hashes(None, request.block_hashes)
+        count, closed = self.store.commit(client_id(context), request.lease_id, hashes, list(request.checksums),
+                                          request.tail, request.tail_checksum, request.tail_ttl_ms)
+        return pb.CommitPutResponse(committed=count, lease_closed=closed)
 
     async def Get(self, request, context):
-        return pb.GetResponse(**self.get(request))
+        hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
+        lease, blocks, tail = self.store.get(client_id(context), hashes, _tail(request.tail_key), request.lease_ms,
+                                             request.request_id)
+        if lease is None:
+            return pb.GetResponse()
+        return pb.GetResponse(lease_id=lease.lease_id, slots=self._read_list(blocks),
+                              tail=self._slot(tail) if tail is not None else None,
+                              lease_deadline_unix_ms=_unix_ms(lease.deadline))
 
     async def RenewLease(self, request, context):
-        return pb.RenewLeaseResponse(**self.renew_lease(request))
+        deadline = self.store.renew(client_id(context), request.lease_id, request.lease_ms)
+        return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
 
     async def ReleaseLease(self, request, context):
-        return pb.ReleaseLeaseResponse(**self.release_lease(request))
+        unpinned, fenced = self.store.release(client_id(context), request.lease_id)
+        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=fenced)
+
+    async def ReportCorrupt(self, request, context):
+        hashes = self._hashes(None, request.block_hashes)
+        dropped = self.store.report_corrupt(client_id(context), request.lease_id, hashes, request.tail)
+        log.warning("reader reported blocks failing their checksum", lease_id=request.lease_id,
+                    reported=len(hashes) + request.tail, dropped=dropped)
+        return pb.ReportCorruptResponse(dropped=dropped)
 
     async def Watch(self, request, context):
-        hashes = self._check(request.profile, request.block_hashes, request.request_id)
-        watcher = self.store.watch(hashes, _tail(request.tail_key), request.lease_ms, request.request_id)
-        total = len(hashes) + (1 if request.tail_key else 0)
+        hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
+        watcher = self.store.watch(client_id(context), hashes, _tail(request.tail_key), request.lease_ms,
+                                   request.request_id)
+        total = len(hashes) + bool(request.tail_key)
         delivered = 0
         try:
             while delivered < total:
@@ -162,7 +131,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     ready.append(watcher.queue.get_nowait())
                 delivered += len(ready)
                 yield pb.WatchEvent(lease_id=watcher.lease.lease_id, indices=[i for i, _ in ready],
-                                    slots=_slots_fields(Slots.of([ref for _, ref in ready])))
+                                    slots=self._read_list([b for _, b in ready]))
         finally:
             # Complete: the client reads, then releases (or the lease lapses). Cut short: the
             # client is gone or gave up, so nothing it pinned may stay pinned.
@@ -173,80 +142,84 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if first is None or not first.HasField("header"):
             raise InvalidArgument("PutBytes: the first message must be the header")
         h = first.header
-        hashes = self._check(h.profile, h.block_hashes, h.request_id)
-        lease, refs = self.store.allocate_put(hashes, _tail(h.tail_key), h.tail_lease_ms, h.request_id)
+        hashes = self._hashes(h.profile, h.block_hashes, h.request_id)
+        lease, slots = self.store.allocate_put("", hashes, _tail(h.tail_key), h.tail_lease_ms, h.request_id)
         nbytes = self.store.block_nbytes
-        expected = len(refs) * nbytes
+        expected = len(slots) * nbytes
         received = 0
         try:
             async for msg in request_iterator:
                 if not msg.HasField("data"):
                     raise InvalidArgument("PutBytes: only data messages may follow the header")
-                data = msg.data
-                if received + len(data) > expected:
-                    raise InvalidArgument(f"PutBytes: more bytes than {len(refs)} blocks of {nbytes} bytes")
-                self._write_span(refs, received, data)
-                received += len(data)
+                if received + len(msg.data) > expected:
+                    raise InvalidArgument(f"PutBytes: more bytes than {len(slots)} blocks of {nbytes} bytes")
+                self._write_span(slots, received, msg.data)
+                received += len(msg.data)
             if received != expected:
                 raise InvalidArgument(f"PutBytes: got {received} bytes, expected {expected} "
-                                      f"({len(refs)} blocks of {nbytes} bytes)")
+                                      f"({len(slots)} blocks of {nbytes} bytes)")
         except BaseException:
-            if lease.lease_id in self.store.leases:
-                self.store.release(lease.lease_id)  # reclaim what was never committed
+            self.store.abandon(lease)
             raise
-        written = refs.states.count(SlotState.WRITE)
+        # Only WRITE slots took bytes: a block already here keeps the bytes it has.
+        written = [s.block for s in slots if s.state == SlotState.WRITE]
         if lease.lease_id in self.store.leases:
-            self.store.commit(lease.lease_id, tail_ttl_ms=h.tail_lease_ms)
-        return pb.PutBytesResponse(written=written, already_present=len(refs) - written)
+            full = [b for b in written if not b.is_tail]
+            tail = written[-1] if written and written[-1].is_tail else None
+            self.store.commit("", lease.lease_id, [b.key for b in full], [checksum_of(self._view(b)) for b in full],
+                              tail is not None, checksum_of(self._view(tail)) if tail else 0, h.tail_lease_ms)
+        return pb.PutBytesResponse(written=len(written), already_present=len(slots) - len(written))
 
-    def _write_span(self, refs: Slots, offset: int, data: bytes) -> None:
+    def _write_span(self, slots: list[Slot], offset: int, data: bytes) -> None:
+        import torch
+
         nbytes = self.store.block_nbytes
         pos = 0
         while pos < len(data):
             block, within = divmod(offset + pos, nbytes)
             take = min(nbytes - within, len(data) - pos)
-            if refs.states[block] == SlotState.WRITE:  # (pinned by the put's lease: its row holds)
-                view = self._view(int(refs.rows[block]))
-                view[within : within + take].copy_(_as_tensor(data[pos : pos + take]))
+            if slots[block].state == SlotState.WRITE:  # (pinned by the put's lease: its slot holds)
+                src = torch.frombuffer(bytearray(data[pos : pos + take]), dtype=torch.uint8)
+                self._view(slots[block].block)[within : within + take].copy_(src)
             pos += take
 
-    def _view(self, row: int):
-        """The bytes of the block in a row (a pinned one: it stays there)."""
-        t = self.store.table
-        return self.store.tiers[t.tier_of(row)].view(t.slot_of(row))
+    def _view(self, b: Block):
+        return self.store.blocks.view(b)
 
     async def GetBytes(self, request, context):
-        hashes = self._check(request.profile, request.block_hashes, request.request_id)
-        lease, refs, tail = self.store.get(hashes, _tail(request.tail_key), 0, request.request_id)
-        rows = [*refs.rows.tolist(), *([tail.row] if tail else [])]
-        yield pb.GetBytesResponse(num_blocks=len(rows), has_tail=tail is not None)
+        hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
+        lease, blocks, tail = self.store.get("", hashes, _tail(request.tail_key), 0, request.request_id)
         if lease is None:
+            yield pb.GetBytesResponse(num_blocks=0, has_tail=False)
             return
         try:
+            # The store reads these itself: it verifies them as every reader does.
+            bad = [b for b in [*blocks, *([tail] if tail else [])] if not self.store.blocks.verify(b)]
+            if bad:
+                for b in bad:
+                    self.store.blocks.detach(b)
+                raise DataLoss(f"GetBytes: {len(bad)} stored blocks failed their checksum and were dropped; "
+                               "recompute them")
+            out = [*blocks, *([tail] if tail else [])]
+            yield pb.GetBytesResponse(num_blocks=len(out), has_tail=tail is not None)
             buf = bytearray()
-            for row in rows:  # (pinned by the get's lease)
-                buf += self._view(row).cpu().numpy().tobytes()
+            for b in out:  # (pinned by the get's lease)
+                buf += self._view(b).cpu().numpy().tobytes()
                 while len(buf) >= CHUNK_BYTES:
                     yield pb.GetBytesResponse(data=bytes(buf[:CHUNK_BYTES]))
                     del buf[:CHUNK_BYTES]
             if buf:
                 yield pb.GetBytesResponse(data=bytes(buf))
         finally:
-            self.store.release(lease.lease_id)
+            if lease.lease_id in self.store.leases:
+                self.store.release("", lease.lease_id)
 
     async def Stats(self, request, context):
         c = self.store.counters
-        tiers = []
-        for tier in (DEVICE, DRAM):
-            s = tier_stats(self.store, tier)
-            tiers.append(pb.TierStats(tier=_TIER[tier], promotions=c.promotions if tier == DEVICE else 0, **s))
+        tiers = [pb.TierStats(tier=_TIER[tier], promotions=c.promotions if tier == DEVICE else 0,
+                              **self.store.tier_stats(tier)) for tier in (DEVICE, DRAM)]
         return pb.StatsResponse(
             tiers=tiers, hits=c.hits, misses=c.misses, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
-            active_leases=len(self.store.leases), watchers=self.store.watchers.count(),
-            redis_connected=self.redis_connected())
-
-
-def _as_tensor(data: bytes):
-    import torch
-
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            active_leases=len(self.store.leases), watchers=self.store.num_waiting(),
+            redis_connected=self.redis_connected(), corrupt_blocks=c.corrupt,
+            fenced_blocks=self.store.blocks.num_fenced())

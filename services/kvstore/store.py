@@ -1,62 +1,57 @@
-"""BlockStore: puts, commits, gets and watches of blocks, under leases that pin them.
+"""BlockStore: the store's protocol (puts, commits, gets, watches, leases, holds) over the blocks.
 
-Single-threaded by design: only the server's event loop calls it, so it needs no locks. Where
-blocks live, their eviction and their moves between tiers are `tiers.TieredBlocks`'s.
-Invariants:
-- a block is pinned (pins > 0) while a writer holds it uncommitted, while a read lease holds it,
-  and (for a per-request tail) until its TTL lapses; pinned blocks are never evicted, nor moved,
-  so a lease holds its blocks' ids (rows of the block table, see table.py);
-- a DRAM hit is served from DRAM and promoted to the device tier when its last reader releases.
+Single-threaded by design: only the server's event loop calls it, so it needs no locks. It
+calls `BlockManager`'s verbs and never writes a block's fields itself. Every call that names a
+lease checks that the lease is open and the caller's; nothing on an ended lease is answered as
+done.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
-import numpy as np
-
-from pdserve.errors import InvalidArgument, NotFound
-from services.kvstore.deferred import Deferred
-from services.kvstore.entries import DEVICE, DRAM, NO_ROWS, Counters, Lease, SlotRef, Slots, SlotState, Watcher
+from pdserve.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kvstore.blocks import DEVICE, DRAM, Block, BlockManager, Counters
 from services.kvstore.events import IndexSink, NullIndexSink
-from services.kvstore.leases import Leases
+from services.kvstore.leases import HoldLease, Lease, Leases, ReadLease, Watcher, WriteLease
 from services.kvstore.memory import TierMemory
-from services.kvstore.table import NO_BLOCK, BlockView, Hashes, pack, unpack
-from services.kvstore.tiers import TieredBlocks
-from services.kvstore.watches import Watches
 
-__all__ = ["DEVICE", "DRAM", "BlockStore", "SlotRef", "Slots", "SlotState"]
-_WRITE, _PRESENT = bytes([SlotState.WRITE]), bytes([SlotState.PRESENT])  # a column of n: times n
+__all__ = ["DEVICE", "DRAM", "BlockStore", "Slot", "SlotState"]
+
+
+class SlotState(enum.IntEnum):
+    WRITE = 1  # yours: write the bytes, then commit
+    PRESENT = 2  # stored already: do not write
+    PENDING = 3  # another writer is writing it: do not write
+
+
+class Slot(NamedTuple):
+    block: Block
+    state: SlotState
+
+
+def _no_repeats(keys: Sequence[bytes], what: str) -> None:
+    if len(set(keys)) != len(keys):
+        raise InvalidArgument(f"block hashes repeat within one {what}")
 
 
 class BlockStore:
-    """Owns the leases, the held tails and the watchers of one store process; its blocks are
-    `self.blocks`'s."""
+    """Owns the leases, the committed tails' TTLs and the waiting watchers of one store process;
+    its blocks are `self.blocks`'s."""
 
     def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
-                 index: IndexSink | None = None, clock=time.monotonic):
+                 index: IndexSink | None = None, clock=time.monotonic, fence_s: float = 30.0):
         self.counters = Counters()
-        self.blocks = TieredBlocks(device, dram, index or NullIndexSink(), self.counters)
-        # The blocks' own state, named here too (the same objects; `blocks` owns them).
-        self.table, self.evictable, self.tiers = self.blocks.table, self.blocks.evictable, self.blocks.tiers
+        self.blocks = BlockManager(device, dram, index or NullIndexSink(), self.counters, fence_s, clock)
+        self.tiers = self.blocks.tiers
         self.block_nbytes = device.block_nbytes
         self.clock = clock
         self.leases = Leases(default_lease_s, clock)
-        self.held_tails: dict[bytes, float] = {}  # committed tails pinned by their TTL -> when it ends
-        self.watchers = Watches()
-        self.deferred = Deferred()  # bookkeeping a control call's answer does not wait for
-
-    def block(self, key: bytes) -> BlockView:
-        """One block's state (KeyError: not here)."""
-        return self.table.view(key)
-
-    def locate(self, key: bytes) -> tuple[str, int]:
-        """(tier, slot) of a block here; only while it is pinned does that stay true."""
-        i = self.table.row(key)
-        if i == NO_BLOCK:
-            raise KeyError(key)
-        return self.table.tier_of(i), self.table.slot_of(i)
+        self.tail_ttls: dict[bytes, float] = {}  # committed tails pinned by their TTL -> when it ends
+        self.waiting: dict[bytes, list[Watcher]] = {}  # key -> the watchers waiting for its commit
 
     @property
     def index(self) -> IndexSink:
@@ -67,260 +62,236 @@ class BlockStore:
         self.blocks.index = sink
 
     # -- put -------------------------------------------------------------------------------
-    def allocate_put(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
+    def allocate_put(self, owner: str, hashes: Sequence[bytes], tail_key: bytes | None, lease_ms: int,
                      request_id: str, writer_keeps_copy: bool = False,
-                     hold_ms: int = 0) -> tuple[Lease, Slots]:
-        """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING.
-        `hashes`: packed (table.pack) or one bytes object each.
-
-        writer_keeps_copy: new blocks are copies of the writer's cache, evicted before any other
-        block (oldest copies first). Otherwise (an offload, or any other put) new blocks and
-        blocks already here are the most recently used, and no longer copies: the writer let go.
-        Either way the blocks already here count as used now.
-
-        hold_ms > 0 (a handoff): the blocks present or written here stay pinned under a hold
-        lease (`lease.hold_id`) until it is released or lapses, hold_ms after the last commit;
-        releasing the write lease uncommitted (the writer failed) releases the hold too."""
-        t = self.table
-        if tail_key is not None and tail_key in t.tails:
+                     hold_ms: int = 0) -> tuple[WriteLease, list[Slot]]:
+        """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING, then the
+        tail's. writer_keeps_copy: the new blocks are copies of the writer's cache (evicted
+        first); otherwise the committed blocks already here become the store's own. hold_ms > 0
+        (a handoff): what is present or written here stays pinned under a hold lease until it is
+        released or lapses, hold_ms after the put's last commit."""
+        _no_repeats(hashes, "put")
+        blocks = self.blocks
+        if tail_key is not None and blocks.tail(tail_key) is not None:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
-        packed = pack(hashes)
-        looked = t.index.lookup_unique(packed)
-        if looked is None:
-            raise InvalidArgument("block hashes repeat within one put")
-        found, n_here = looked  # each hash's row, or -1: not here
-        if n_here:
-            here = found >= 0
-            present, new_packed = found[here], packed[~here]
-        else:  # the common put: every block is new
-            present, new_packed = None, packed
-        # Making room must not evict the blocks of this very put that are already here.
-        if present is not None:
-            self.blocks.pin(present)
+        present = [b for h in hashes if (b := blocks.get(h)) is not None]
+        blocks.pin(present)  # making room must not evict this put's own blocks
         try:
-            rows = self.blocks.allocate(len(new_packed) + (tail_key is not None))
+            new = blocks.allocate([h for h in hashes if blocks.get(h) is None], writer_keeps_copy, tail_key)
         finally:
-            if present is not None:
-                self.blocks.unpin(present)
-        lease = self.leases.new("write", lease_ms, request_id)
-        lease.named, lease.tail_key = packed, tail_key
-        # The new blocks go in the table after the answer (the slots are the rows' own).
-        self.deferred(t.add, new_packed, rows, 1, writer_keeps_copy, tail_key)  # (pins=1: the writer's)
-        lease.pinned = rows
-        if present is None:
-            all_rows = rows
-            out = t.slots(rows, _WRITE * len(rows))
-        else:
-            found[~here] = rows[: len(new_packed)]
-            all_rows = np.concatenate([found, rows[len(new_packed):]])  # (the tail's, if any)
-            out = self._put_slots(all_rows, ~here, present, writer_keeps_copy)
-        if hold_ms > 0:  # what this put writes, and what is here already (not another's writes)
-            hold = self.leases.new("hold", hold_ms, request_id)
-            hold.hold_s = hold_ms / 1000
-            held = np.frombuffer(out.states, np.uint8, len(packed)) != SlotState.PENDING
-            hold.held, hold.held_keys = all_rows[: len(packed)][held], packed[held]
-            self.deferred(self.blocks.pin, hold.held)
-            lease.hold_id = hold.lease_id
-        if not len(lease.pinned):
-            self.leases.close(lease)
-        return lease, out
-
-    def _put_slots(self, rows: np.ndarray, new: np.ndarray, present: np.ndarray, writer_keeps_copy: bool) -> Slots:
-        """`rows`: each key's (hashes, then the tail); `new`: which hashes this put writes."""
-        t = self.table
-        if not writer_keeps_copy:
-            kept = present[t.committed[present]]
-            if len(kept):
-                self.blocks.keep(kept)
-        new = np.concatenate([new, np.ones(len(rows) - len(new), np.bool_)])  # a tail is always new
-        states = np.where(new, SlotState.WRITE, np.where(t.committed[rows], SlotState.PRESENT, SlotState.PENDING))
-        return t.slots(rows, states.astype(np.uint8).tobytes())
-
-    def commit(self, lease_id: str, keys: Iterable[bytes] | None = None,
-               tail_ttl_ms: int = 0) -> tuple[int, bool]:
-        """Commit written blocks; returns (newly committed, lease closed). Idempotent."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            if self.leases.closed(lease_id):
-                return 0, True
-            raise NotFound(f"write lease {lease_id!r} is unknown or lapsed: its slots were reclaimed; put again")
-        if lease.kind != "write":
-            raise InvalidArgument(f"lease {lease_id!r} is a read lease")
-        t = self.table
-        if keys is None:
-            rows = lease.pinned  # the blocks it wrote that are still uncommitted
-        else:
-            keys = list(keys)
-            if lease.all_keys is None:
-                lease.all_keys = {*unpack(lease.named), *([lease.tail_key] if lease.tail_key is not None else [])}
-            for key in keys:
-                if key not in lease.all_keys:
-                    raise NotFound(f"block {key.hex()} is not part of write lease {lease_id!r}")
-            hash_rows = iter(t.index.lookup(pack([k for k in keys if k != lease.tail_key])).tolist())
-            rows_named = [t.tails[k] if k == lease.tail_key else next(hash_rows) for k in keys]
-            # Keys it named but did not write (present, or another writer's) are not its to commit.
-            mine = set(lease.pinned.tolist())
-            rows = np.array(list(dict.fromkeys(i for i in rows_named if i in mine)), np.int64)
-        blocks = rows  # (not the tail)
-        if lease.tail_key is not None:
-            tail = t.tails.get(lease.tail_key, NO_BLOCK)
-            if tail != NO_BLOCK and tail in rows:  # the writer's pin becomes the TTL pin
-                blocks = rows[rows != tail]
-                t.committed[tail] = True
-                self.held_tails[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
-        count = len(rows)
-        if count:  # what it wrote and has not committed yet (rows: a part of lease.pinned)
-            lease.pinned = lease.pinned[~np.isin(lease.pinned, rows)] if keys is not None else NO_ROWS
-            self.deferred(self._committed, blocks, rows)
-        self.counters.bytes_written += count * self.block_nbytes
-        hold = self.leases.get(lease.hold_id)
-        if hold is not None:
-            hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
-        closed = not len(lease.pinned)
-        if closed:
-            self.leases.close(lease)
-        return count, closed
-
-    def _committed(self, blocks: np.ndarray, rows: np.ndarray) -> None:
-        """A commit's bookkeeping, after its answer: the blocks (not a tail) lose their writer's
-        pin and join the eviction order, the index hears of them, their watchers get them."""
-        if len(blocks):
-            self.blocks.commit(blocks)
-            self.index.committed(Hashes(self.table.keys[blocks]), self.table.tiers_of(blocks))
-        if self.watchers:
-            self._notify(rows.tolist())
-
-    # -- get -------------------------------------------------------------------------------
-    def get(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
-            request_id: str) -> tuple[Lease | None, Slots, SlotRef | None]:
-        t = self.table
-        rows = t.index.prefix(pack(hashes), t.committed)  # the longest committed prefix's
-        if rows is None:
-            raise InvalidArgument("block hashes repeat within one get")
-        n = len(rows)
-        tail = t.tails.get(tail_key, NO_BLOCK) if tail_key is not None else NO_BLOCK
-        if tail != NO_BLOCK and not t.committed[tail]:
-            tail = NO_BLOCK
-        counters = self.counters
-        counters.hits += n
-        counters.misses += len(hashes) - n
-        self.index.looked_up(n, len(hashes) - n)
-        if not n and tail == NO_BLOCK:
-            return None, t.slots(rows, b""), None
-        lease = self.leases.new("read", lease_ms, request_id)
-        n_dram = self._pin_for_read(lease, rows)
-        counters.tier_hits[DEVICE] += n - n_dram
-        counters.tier_hits[DRAM] += n_dram
-        slots = t.slots(rows, _PRESENT * n)
-        if tail == NO_BLOCK:
-            return lease, slots, None
-        self._pin_for_read(lease, np.array([tail], np.int64))
-        lease.tail_key = tail_key  # (a read lease: the tail it pins, consumed at release)
-        return lease, slots, self.blocks.slot_ref(tail)
-
-    def _pin_for_read(self, lease: Lease, rows: np.ndarray) -> int:
-        """Pin blocks for a reader (out of the LRU while pinned; back at its recent end when
-        unpinned); a DRAM hit is promoted once its last reader lets go. Returns the DRAM hits."""
-        n_dram = self.blocks.pin(rows, for_read=True)
-        lease.pinned = np.concatenate([lease.pinned, rows]) if len(lease.pinned) else rows
-        self.counters.bytes_read += len(rows) * self.block_nbytes
-        return n_dram
-
-    # -- watch -----------------------------------------------------------------------------
-    def watch(self, hashes: np.ndarray | Sequence[bytes], tail_key: bytes | None, lease_ms: int,
-              request_id: str) -> Watcher:
-        """Register interest; already-committed keys are queued at once, others on commit."""
-        packed = pack(hashes)
-        keys = [*unpack(packed), *([tail_key] if tail_key is not None else [])]
-        if len(set(keys)) != len(keys):
-            raise InvalidArgument("keys repeat within one watch")
-        lease = self.leases.new("read", lease_ms, request_id)
-        lease.watching = True
-        watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
-        t = self.table
-        rows = t.index.lookup(packed).tolist()
+            blocks.unpin(present)
+        mine = {b.key: b for b in new}
+        slots = [Slot(mine[h], SlotState.WRITE) if h in mine else
+                 Slot(b, SlotState.PRESENT if b.committed else SlotState.PENDING)
+                 for h in hashes for b in [mine.get(h) or blocks.get(h)]]
         if tail_key is not None:
-            rows.append(t.tails.get(tail_key, NO_BLOCK))
-        ready: list[int] = []
-        for key, i in zip(keys, rows, strict=True):
-            if i != NO_BLOCK and t.committed[i]:
-                ready.append(i)
-            else:
-                self.watchers.wait(key, watcher)
-        hits = len(ready) - (tail_key is not None and rows[-1] in ready)
-        if ready:
-            self._deliver(watcher, ready)
+            slots.append(Slot(new[-1], SlotState.WRITE))
+        if not writer_keeps_copy:
+            blocks.keep([b for b in present if b.committed])
+        lease = self.leases.open(WriteLease, owner, lease_ms, request_id, uncommitted=dict(mine),
+                                 named=frozenset(hashes), tail_key=tail_key)
+        if tail_key is not None:
+            lease.uncommitted[tail_key] = new[-1]
+        if hold_ms > 0:
+            held = [s.block for s in slots[: len(hashes)] if s.state != SlotState.PENDING]
+            blocks.pin(held)
+            hold = self.leases.open(HoldLease, owner, hold_ms, request_id, blocks=held, hold_s=hold_ms / 1000)
+            lease.hold_id = hold.lease_id
+        if not lease.uncommitted:
+            self.leases.end(lease, "been committed in full")
+        return lease, slots
+
+    def commit(self, owner: str, lease_id: str, hashes: Sequence[bytes], checksums: Sequence[int],
+               tail: bool = False, tail_checksum: int = 0, tail_ttl_ms: int = 0) -> tuple[int, bool]:
+        """Commit written blocks, each with its writer's checksum; returns (committed, lease closed)."""
+        lease = self.leases.find(lease_id, owner, WriteLease)
+        if len(checksums) != len(hashes):
+            raise InvalidArgument(f"commit: {len(checksums)} checksums for {len(hashes)} blocks")
+        _no_repeats(hashes, "commit")
+        for h in hashes:
+            if h not in lease.uncommitted:
+                why = "was never part of it" if h not in lease.named else "is not one it writes, or is committed"
+                raise FailedPrecondition(f"block {h.hex()} of write lease {lease_id!r} {why}")
+        if tail and (lease.tail_key is None or lease.tail_key not in lease.uncommitted):
+            raise FailedPrecondition(f"write lease {lease_id!r} has no uncommitted tail")
+        done = [lease.uncommitted.pop(h) for h in hashes]
+        self.blocks.commit(done, checksums)
+        if tail:
+            block = lease.uncommitted.pop(lease.tail_key)
+            self.blocks.commit([block], [tail_checksum])
+            self.tail_ttls[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
+            done.append(block)
+        self.counters.bytes_written += len(done) * self.block_nbytes
+        if lease.hold_id in self.leases:
+            hold = self.leases.find(lease.hold_id, None, HoldLease)
+            hold.deadline = max(hold.deadline, self.clock() + hold.hold_s)
+        self._notify(done)
+        closed = not lease.uncommitted
+        if closed:
+            self.leases.end(lease, "been committed in full")
+        return len(done), closed
+
+    # -- get and watch ---------------------------------------------------------------------
+    def get(self, owner: str, hashes: Sequence[bytes], tail_key: bytes | None, lease_ms: int,
+            request_id: str) -> tuple[ReadLease | None, list[Block], Block | None]:
+        """Pin the longest committed prefix of `hashes` (and the tail) under a read lease."""
+        _no_repeats(hashes, "get")
+        prefix: list[Block] = []
+        for h in hashes:
+            b = self.blocks.get(h)
+            if b is None or not b.committed:
+                break
+            prefix.append(b)
+        tail = self.blocks.tail(tail_key) if tail_key is not None else None
+        if tail is not None and not tail.committed:
+            tail = None
+        self._count_lookup(len(prefix), len(hashes) - len(prefix))
+        if not prefix and tail is None:
+            return None, [], None
+        lease = self.leases.open(ReadLease, owner, lease_ms, request_id)
+        self._pin_for(lease, prefix + ([tail] if tail is not None else []))
+        return lease, prefix, tail
+
+    def _count_lookup(self, hits: int, misses: int) -> None:
         self.counters.hits += hits
-        self.index.looked_up(hits, 0)
+        self.counters.misses += misses
+        self.index.looked_up(hits, misses)
+
+    def _pin_for(self, lease: ReadLease, blocks: list[Block]) -> None:
+        n_dram = self.blocks.pin(blocks, for_read=True)
+        lease.blocks += blocks
+        for b in blocks:
+            if b.is_tail:
+                lease.tail = b
+        n_tail = sum(b.is_tail for b in blocks)
+        self.counters.tier_hits[DRAM] += n_dram
+        self.counters.tier_hits[DEVICE] += len(blocks) - n_tail - n_dram
+        self.counters.bytes_read += len(blocks) * self.block_nbytes
+
+    def watch(self, owner: str, hashes: Sequence[bytes], tail_key: bytes | None, lease_ms: int,
+              request_id: str) -> Watcher:
+        """Register interest; committed blocks are delivered at once, the others as committed."""
+        keys = [*hashes, *([tail_key] if tail_key is not None else [])]
+        _no_repeats(keys, "watch")
+        lease = self.leases.open(ReadLease, owner, lease_ms, request_id, watching=True)
+        watcher = Watcher(lease, {k: i for i, k in enumerate(keys)})
+        ready = []
+        for k in keys:
+            b = self.blocks.tail(k) if k == tail_key else self.blocks.get(k)
+            if b is not None and b.committed:
+                ready.append(b)
+            else:
+                self.waiting.setdefault(k, []).append(watcher)
+        hits = sum(not b.is_tail for b in ready)
+        self._count_lookup(hits, 0)
+        self._deliver(watcher, ready)
         return watcher
 
-    def _deliver(self, watcher: Watcher, rows: list[int]) -> None:
-        self._pin_for_read(watcher.lease, np.array(rows, np.int64))
-        for i in rows:
-            ref = self.blocks.slot_ref(i)
-            if self.table.is_tail[i]:
-                watcher.lease.tail_key = ref.key  # (consumed at release, as a get's)
-            watcher.queue.put_nowait((watcher.wanted.pop(ref.key), ref))
+    def _deliver(self, watcher: Watcher, blocks: list[Block]) -> None:
+        if not blocks:
+            return
+        self._pin_for(watcher.lease, blocks)
+        for b in blocks:
+            watcher.queue.put_nowait((watcher.wanted.pop(b.key), b))
 
-    def _notify(self, rows: list[int]) -> None:
-        """Newly committed blocks: to each watcher waiting on them, in one delivery."""
-        ready: dict[int, tuple[Watcher, list[int]]] = {}
-        for i in rows:
-            for watcher in self.watchers.take(self.table.key(i)):
+    def _notify(self, committed: list[Block]) -> None:
+        """Newly committed blocks: to each watcher waiting on them, in one delivery each."""
+        ready: dict[int, tuple[Watcher, list[Block]]] = {}
+        for b in committed:
+            for watcher in self.waiting.pop(b.key, ()):
                 if watcher.lease.lease_id in self.leases:
-                    ready.setdefault(id(watcher), (watcher, []))[1].append(i)
-        for watcher, mine in ready.values():
-            self._deliver(watcher, mine)
+                    ready.setdefault(id(watcher), (watcher, []))[1].append(b)
+        for watcher, blocks in ready.values():
+            self._deliver(watcher, blocks)
 
     def end_watch(self, watcher: Watcher, release: bool) -> None:
         """The Watch stream ended: stop waiting; release its pins too when the client is gone."""
-        self.watchers.forget(watcher)
+        for key in watcher.wanted:
+            waiting = self.waiting.get(key, [])
+            if watcher in waiting:
+                waiting.remove(watcher)
+                if not waiting:
+                    del self.waiting[key]
         watcher.lease.watching = False
         if release:
-            self.release(watcher.lease.lease_id)
+            self._end(watcher.lease, "been released")
         else:
             watcher.lease.deadline = max(watcher.lease.deadline, self.clock() + self.leases.default_s)
 
-    # -- leases ----------------------------------------------------------------------------
-    def release(self, lease_id: str) -> tuple[int, int]:
-        """End a lease: unpin what it read; reclaim what it wrote but never committed."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            if self.leases.closed(lease_id):
-                return 0, 0
-            raise NotFound(f"lease {lease_id!r} is unknown or lapsed")
-        self.leases.close(lease)
-        t = self.table
-        if lease.kind == "hold":  # (a block its writer failed to write went since: skipped)
-            live = lease.held[(t.keys[lease.held] == lease.held_keys).all(axis=1) & ~t.is_tail[lease.held]]
-            self.deferred(self.blocks.unpin, live)
-            return len(live), 0
-        if lease.kind == "write" and lease.hold_id in self.leases:
-            self.release(lease.hold_id)  # the writer failed: nobody will read this handoff
-        rows = lease.pinned  # each still here: pinned, so neither evicted nor dropped
-        if lease.kind == "write":
-            self.deferred(self.blocks.drop, rows)
-            return 0, len(rows)
-        consumed = lease.tail_key is not None and self.held_tails.pop(lease.tail_key, None) is not None
-        self.deferred(self._unpin_read, rows, t.tails[lease.tail_key] if consumed else NO_BLOCK)
-        return len(rows), 0
+    def num_waiting(self) -> int:
+        return sum(len(w) for w in self.waiting.values())
 
-    def _unpin_read(self, rows: np.ndarray, consumed_tail: int) -> None:
-        """A read lease's release, after its answer. A per-request tail is read once: its TTL
-        pin goes with its reader's, and so does the tail."""
-        if consumed_tail != NO_BLOCK:
-            self.table.pins[consumed_tail] -= 1
-        self.blocks.unpin(rows)
+    # -- leases ----------------------------------------------------------------------------
+    def renew(self, owner: str, lease_id: str, lease_ms: int) -> float:
+        return self.leases.renew(lease_id, owner, lease_ms)
+
+    def release(self, owner: str, lease_id: str) -> tuple[int, int]:
+        """End a lease (a hold by anyone who has its id): reads unpin; a write's uncommitted
+        blocks are fenced. Returns (unpinned, fenced)."""
+        return self._end(self.leases.find(lease_id, owner), "been released")
+
+    def _end(self, lease: Lease, how: str, fence: bool = True) -> tuple[int, int]:
+        self.leases.end(lease, how)
+        if isinstance(lease, WriteLease):
+            if lease.hold_id in self.leases:  # the writer failed: nobody will read this handoff
+                self._end(self.leases.find(lease.hold_id, None), how)
+            left = list(lease.uncommitted.values())
+            lease.uncommitted.clear()
+            if not fence:
+                return 0, self.blocks.drop_unwritten(left)
+            return 0, self.blocks.fence(left)
+        self.blocks.unpin(lease.blocks)
+        if isinstance(lease, ReadLease) and lease.tail is not None:
+            # A per-request tail is read once: its TTL pin goes with its reader's, and so does it.
+            if self.tail_ttls.pop(lease.tail.key, None) is not None:
+                self.blocks.unpin([lease.tail])
+        return len(lease.blocks), 0
+
+    def abandon(self, lease: WriteLease) -> None:
+        """The store's own write (PutBytes) failed: no stale writer exists, no fence is needed."""
+        if lease.lease_id in self.leases:
+            self._end(lease, "been abandoned", fence=False)
+
+    def report_corrupt(self, owner: str, lease_id: str, hashes: Sequence[bytes], tail: bool) -> int:
+        """A reader's blocks failed their checksum: those whose stored copy fails it too are
+        dropped (never found again). Returns how many."""
+        lease = self.leases.find(lease_id, owner, ReadLease)
+        mine = {b.key: b for b in lease.blocks}
+        named = [mine.get(h) for h in hashes] + ([lease.tail] if tail else [])
+        if None in named:
+            raise NotFound(f"read lease {lease_id!r} does not hold every block reported")
+        bad = [b for b in named if not b.detached and not self.blocks.verify(b)]
+        for b in bad:
+            self.blocks.detach(b)
+        return len(bad)
 
     def reap(self) -> int:
-        """Lapse leases past their deadline and tails past their TTL; returns how many leases."""
+        """Lapse leases past their deadline, tails past their TTL, and free fenced slots whose
+        quarantine is over; returns how many leases lapsed."""
         now = self.clock()
         lapsed = self.leases.lapsed(now)
-        for lease_id in lapsed:
-            self.release(lease_id)
-        tails = [k for k, expires in self.held_tails.items() if expires < now]
-        for key in tails:
-            del self.held_tails[key]
-        if tails:
-            self.blocks.unpin(np.array([self.table.tails[k] for k in tails], np.int64))
+        for lease in lapsed:
+            self._end(lease, "lapsed")
+        for key in [k for k, expires in self.tail_ttls.items() if expires < now]:
+            del self.tail_ttls[key]
+            self.blocks.unpin([self.blocks.tail(key)])
+        self.blocks.reap_fenced()
         return len(lapsed)
+
+    # -- views -----------------------------------------------------------------------------
+    def tier_stats(self, tier: str) -> dict:
+        mem = self.tiers[tier]
+        mine = [b for b in self.blocks.blocks() if b.tier == tier]
+        return {
+            "capacity_blocks": mem.info.num_slots,
+            "capacity_bytes": mem.nbytes,
+            "used_blocks": mem.info.num_slots - mem.allocator.num_free,  # held, written, or fenced
+            "pinned_blocks": sum(b.pins > 0 for b in mine),
+            "hits": self.counters.tier_hits[tier],
+            "evictions": self.counters.evictions[tier],
+            "duplicate_blocks": sum(b.writer_copy and b.committed for b in mine),
+        }
+
+    def committed_blocks(self) -> list[tuple[bytes, str]]:
+        """(key, tier) of every committed prefix block: what the Redis index is rebuilt from."""
+        return [(b.key, b.tier) for b in self.blocks.blocks() if b.committed and not b.is_tail]

@@ -13,11 +13,9 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import InvalidArgument, ResourceExhausted
-from pdserve.kv.store_client import Allocation
+from pdserve.kv.store_client import WRITE, Allocation
 from pdserve.serving.bootstrap import Worker
 from pdserve.serving.engine_thread import Progress
-from pdserve.serving.kv_pages import block_checksums
-from pdserve.v1 import kvstore_pb2
 
 log = logs.get("prefill")
 tracer = telemetry.tracer("pdserve.prefill")
@@ -39,7 +37,6 @@ class PrefillOutput:
     finish_reason: FinishReason | None
     block_hashes: list[bytes]
     tail_key: str
-    checksums: list[int]  # one per prompt block, the tail included
     kv_hold_lease_id: str  # the store's hold on the prompt's blocks, released by the decode that pulls them
     cached_local: int
     cached_store: int
@@ -98,21 +95,21 @@ class Prefiller:
             hold = alloc.hold_lease_id
             renewal = w.store.keep_alive(alloc.lease_id, w.cfg.lease_ms)
             pages = res.block_table[: n_full + (1 if tail_key else 0)]
-            shipped, write_s, checksums = 0, 0.0, []
+            shipped, write_s = 0, 0.0
             while True:
                 item = await stream.get()
                 if isinstance(item, Progress):
                     full = min(item.num_computed_tokens // bs, n_full)
                     if full > shipped:
-                        write_s += await self._ship(alloc, res.prompt_hashes, pages, shipped, full)
-                        checksums += await self._checksums(alloc, pages, shipped, full)
+                        write_s += await self._ship(alloc, pages, shipped, full)
                         shipped = full
                 elif isinstance(item, TokenEvent):
                     first = item
                     break
             t_first = time.perf_counter()
-            exposed_s = await self._ship(alloc, res.prompt_hashes, pages, shipped, len(pages), tail=bool(tail_key))
-            checksums += await self._checksums(alloc, pages, shipped, len(pages))
+            await self._ship(alloc, pages, shipped, len(pages))
+            await w.store.finish(alloc)  # every commit answered: refused ones fail the request
+            exposed_s = time.perf_counter() - t_first
             alloc = None  # fully committed: the lease is closed
             await w.engine.call(lambda e: e.release(rid))
         except BaseException:
@@ -133,22 +130,12 @@ class Prefiller:
         cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
         local = min(n_local * bs, cached)
         return PrefillOutput(
-            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, checksums, hold,
+            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, hold,
             cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
             timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
                         "tail_ms": (done - t_first) * 1e3,
                         "total_ms": (done - t0) * 1e3})
-
-    async def _checksums(self, alloc: Allocation, pages: list[int], start: int, end: int) -> list[int]:
-        """Checksums of the blocks [start, end) this request wrote to the store; 0 (unchecked) for
-        blocks the store already had: its copy may come from another computation of the same
-        tokens, equal in value but not in every bit."""
-        mine = [i for i in range(start, end) if alloc.slots[i].state == kvstore_pb2.SLOT_STATE_WRITE]
-        # Off the engine thread, while it computes the next chunk: full blocks are never rewritten.
-        sums = await asyncio.to_thread(block_checksums, self.w.engine.engine.kv_cache, [pages[i] for i in mine])
-        by_block = dict(zip(mine, sums, strict=True))
-        return [by_block.get(i, 0) for i in range(start, end)]
 
     async def _load_from_store(self, rid: str, hashes: list[bytes], table: list[int], n_local: int,
                                loadable: int) -> int:
@@ -162,26 +149,29 @@ class Prefiller:
                 return 0
             try:
                 n = len(pinned.slots)
-                await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
+                bad = await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
+                if bad:  # never computed from: the prefix ends before the first, the rest is recomputed
+                    await store.report_corrupt(pinned.lease_id, [hashes[n_local + i] for i in bad])
+                    n = bad[0]
+                    span.set_attribute("corrupt_blocks", len(bad))
             finally:
                 store.release_soon(pinned.lease_id)
             span.set_attribute("blocks", n)
             span.set_attribute("bytes", n * store.block_nbytes)
             return n
 
-    async def _ship(self, alloc: Allocation, hashes: list[bytes], pages: list[int], start: int, end: int,
-                    tail: bool = False) -> float:
-        """Write blocks [start, end) where the store asked for them, then commit them."""
+    async def _ship(self, alloc: Allocation, pages: list[int], start: int, end: int) -> float:
+        """Write blocks [start, end) where the store asked for them and send their commit (its
+        answer is awaited once, at the end: the decode's Watch is what waits on it)."""
         if end <= start:
             return 0.0
         t0 = time.perf_counter()
         store = self.w.store
         with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}) as span:
-            slices = await store.write(alloc.slots[start:end], self.w.pages.of(pages[start:end]))
-            keys = list(hashes[start:end]) if not tail else []  # empty = everything left, the tail too
-            await store.commit(alloc.lease_id, keys, tail_ttl_ms=self.w.cfg.tail_ttl_ms)
+            slices = await store.ship(alloc, start, end, self.w.pages.of(pages[start:end]),
+                                      tail_ttl_ms=self.w.cfg.tail_ttl_ms, wait=False)
             elapsed = time.perf_counter() - t0
-            written = sum(1 for s in alloc.slots[start:end] if s.state == kvstore_pb2.SLOT_STATE_WRITE)
+            written = alloc.slots[start:end].states.count(WRITE)
             moved = written * store.block_nbytes
             span.set_attribute("bytes", moved)
             span.set_attribute("slices", slices)

@@ -1,0 +1,144 @@
+"""How store clients reach the store: gRPC only, over the store's abstract Unix address where
+the client's host reaches it and TCP otherwise; a dead, restarted or paused store, with the real
+transfer engine and real Redis, the store in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from pdserve.kv.store_client import StoreClient
+from pdserve.launch import free_port
+from tests.kv_peer import block_data, block_hash
+from tests.kvstore_support import LocalClient, start_store, tier_stats
+
+
+def test_calls_fail_unavailable_when_the_store_dies(shared_redis_url, key_prefix):
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        c = LocalClient(store.address)
+
+        async def scenario(client: StoreClient):
+            first = await client.pin([block_hash(9, 0)])
+            assert first.lease_id == ""  # nothing stored: nothing pinned
+            store.proc.send_signal(signal.SIGKILL)
+            store.proc.wait()
+            for _ in range(2):  # on the broken Unix connection (then TCP, asked again), then on a dead address
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.pin([block_hash(9, 0)])
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        c.call(scenario)
+    finally:
+        store.stop()
+
+
+# The tests below store their blocks through the gRPC-bytes path, not this process's
+# transfer engine. Mooncake caches a peer's segment by its name, "host:rpc_port", for the life of
+# the process; a new store that happens to get a dead store's port is unreachable from an engine
+# that talked to the dead one (its cached descriptor names the dead transport). A test process
+# talks to many stores: fewer transfer-engine peers, fewer such collisions.
+
+
+def test_a_client_finds_a_restarted_store_at_its_new_unix_address(shared_redis_url, key_prefix):
+    """The store restarts on the same TCP address, its Unix address (and transfer-engine segment)
+    elsewhere: the client's next call fails on the old Unix address, asks again where the store
+    is, and is served by the new store."""
+    port = free_port()
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4, extra=("--port", str(port)))
+    try:
+        c = LocalClient(store.address)
+
+        async def scenario(client: StoreClient):
+            nonlocal store
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            first_address, first_segment = client.address_used, client.segment
+            store.stop()
+            store = start_store(shared_redis_url, key_prefix + "b", device_blocks=4, dram_blocks=4,
+                                extra=("--port", str(port)))
+            await asyncio.sleep(0.2)  # the old connection's end reaches the client
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            assert first_address.startswith("unix-abstract:pdserve-kvstore-")  # (the same host)
+            assert client.address_used != first_address and client.segment != first_segment
+
+        c.call(scenario)
+    finally:
+        store.stop()
+
+
+def test_a_client_uses_the_stores_unix_address_where_it_reaches_it_and_tcp_otherwise(shared_redis_url, key_prefix):
+    """On the store's host the client's calls go to the store's abstract Unix address. A store
+    started with --unix false offers none, and an address the client cannot reach (another
+    host's or container's) leaves it on TCP: each way, the same calls are served."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    tcp_only = start_store(shared_redis_url, key_prefix + "t", device_blocks=4, dram_blocks=4,
+                           extra=("--unix", "false"))
+    try:
+        async def served(client: StoreClient) -> str:
+            assert (await client.pin([block_hash(9, 0)])).lease_id == ""
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.release("0" * 32)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            return client.address_used
+
+        info = LocalClient(store.address).call(StoreClient.connect)
+        assert info.unix_address.startswith("unix-abstract:pdserve-kvstore-") and len(info.unix_address) == 62
+        assert LocalClient(store.address).call(served) == info.unix_address
+        tcp_info = LocalClient(tcp_only.address).call(StoreClient.connect)
+        assert tcp_info.unix_address == ""
+        assert LocalClient(tcp_only.address).call(served) == tcp_only.address
+
+        async def unreachable(client: StoreClient) -> str:
+            real = client._open
+
+            def elsewhere(target: str):  # the store's answer names a Unix address this host has not
+                return real("unix-abstract:pdserve-kvstore-" + "0" * 32 if target.startswith("unix") else target)
+
+            client._open = elsewhere
+            await client.connect()
+            return await served(client)
+
+        assert LocalClient(store.address).call(unreachable) == store.address
+    finally:
+        store.stop()
+        tcp_only.stop()
+
+
+def test_a_call_the_store_does_not_answer_in_time_fails_deadline_exceeded(shared_redis_url, key_prefix):
+    """The store stops answering (its process paused): the call fails DEADLINE_EXCEEDED at its
+    deadline; once it resumes, the same client is served again."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        c = LocalClient(store.address)
+        c.call(StoreClient.put_bytes, [block_hash(3, 0)], bytes(block_data(3, 0).numpy()))  # no transfer: see above
+
+        async def scenario(client: StoreClient):
+            client.timeout_s = 0.5
+            assert len((await client.pin([block_hash(3, 0)])).slots) == 1  # connected, leases 1 (lapses)
+            store.proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.pin([block_hash(3, 0)])
+                waited = time.monotonic() - t0
+            finally:
+                store.proc.send_signal(signal.SIGCONT)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 0.5 <= waited < 2.0
+            client.timeout_s = 5.0
+            again = await client.pin([block_hash(3, 0)])
+            assert len(again.slots) == 1
+            await client.release(again.lease_id)
+
+        c.call(scenario)
+        # The pins of the unanswered call and of the first lapse with their 2 s leases.
+        deadline = time.monotonic() + 2.0 + 2.0
+        while (s := c.stats()).active_leases and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
+    finally:
+        store.stop()
