@@ -99,7 +99,8 @@ async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transf
         ok = all(torch.equal(buf.block(j), block_data(args.seed, args.start + j)) for j in range(res.num_blocks))
         if res.has_tail:
             ok = ok and torch.equal(buf.block(args.n), block_data(args.seed, -1))
-        return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices}
+        return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices,
+                "corrupt": res.corrupt}
     if args.op == "watch":
         order, ok, lease = [], True, ""
         print("READY", flush=True)

@@ -39,7 +39,7 @@ def peer(op: str, store: str, *flags: str, timeout: float = 60) -> dict:
 def spawn_peer(op: str, store: str, *flags: str) -> subprocess.Popen:
     """A peer that prints READY once it holds what it holds; wait for it with `wait_ready`."""
     return subprocess.Popen([sys.executable, "-m", "tests.kv_peer", op, "--store", store, *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_ready(proc: subprocess.Popen) -> str:

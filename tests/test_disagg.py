@@ -46,9 +46,10 @@ def expected(engine: LLMEngine, ids: list[int], max_tokens: int = 8) -> list[int
     return engine.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
 
 
-async def run_one(stack: Stack, rid: str, ids: list[int], prefill_index: int = 0, max_tokens: int = 8):
+async def run_one(stack: Stack, rid: str, ids: list[int], prefill_index: int = 0, max_tokens: int = 8,
+                  decode_index: int = 0):
     pch, p = stubs(stack.prefills[prefill_index].address, "prefill")
-    dch, d = stubs(stack.decodes[0].address, "decode")
+    dch, d = stubs(stack.decodes[decode_index].address, "decode")
     async with pch, dch:
         tokens, first, done = [], None, None
         async for ev in disaggregated(p, d, rid, ids, sampling(max_tokens)):

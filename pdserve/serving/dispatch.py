@@ -8,6 +8,7 @@ cancels the other, so nothing stays held anywhere.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,6 +39,18 @@ class DispatchError(PdserveError):
 
 def _error(side: str, e: grpc.aio.AioRpcError) -> DispatchError:
     return DispatchError(e.code(), f"{side}: {e.details()}")
+
+
+async def _decode_failure(decode_call, e: grpc.aio.AioRpcError) -> DispatchError:
+    """FirstToken was refused: when the decode stream itself has ended with an error (the
+    request is gone there, hence the refusal), that error is the request's."""
+    try:
+        code = await asyncio.wait_for(decode_call.code(), 0.5)
+    except (TimeoutError, grpc.aio.AioRpcError):
+        return _error("decode", e)
+    if code == grpc.StatusCode.OK:
+        return _error("decode", e)
+    return DispatchError(code, f"decode: {await decode_call.details()}")
 
 
 async def disaggregated(
@@ -79,6 +92,9 @@ async def disaggregated(
         try:
             await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response),
                                     timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise await _decode_failure(decode_call, e) from e
+        try:
             while (event := await decode_call.read()) is not grpc.aio.EOF:
                 if event.HasField("token") and event.token.index > 0:
                     yield event.token
