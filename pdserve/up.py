@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
+from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 
 
 class Stack:

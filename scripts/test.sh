@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Sets up (idempotent) and runs the whole test suite: lint, then pytest.
+# Sets up (idempotent) and runs the whole test suite: lint, the import rules, then pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test || exit 1
 .venv/bin/ruff check . || exit 1
+.venv/bin/lint-imports --no-cache || exit 1  # the import rules (pyproject.toml [tool.importlinter])
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ $rc -eq 5 ]; then

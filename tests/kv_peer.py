@@ -17,8 +17,8 @@ import torch
 
 from pdserve.kv.checksum import checksums_at
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.store_client import StoreClient
-from pdserve.kv.transfer import Transfer
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.kvclient.transfer import Transfer
 
 LAYOUT = KVLayout(2, 2, 16, 64, "float32")  # 32 KiB blocks
 PROFILE = HashProfile("f" * 64, LAYOUT)

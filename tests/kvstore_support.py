@@ -11,8 +11,8 @@ from functools import cache
 
 import redis
 
-from pdserve.kv.store_client import StoreClient
-from pdserve.kv.transfer import Transfer
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.kvclient.transfer import Transfer
 from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffers, block_data, block_hash
 from tests.support.procs import ROOT, ServiceProcess
 
@@ -101,6 +101,4 @@ def tiers_in_redis(redis_url: str, key_prefix: str, seed: int, indices: list[int
 
 
 def tier_stats(stats) -> dict[str, dict]:
-    names = {1: "device", 2: "dram"}
-    return {names[t.tier]: {"used": t.used_blocks, "pinned": t.pinned_blocks, "evictions": t.evictions}
-            for t in stats.tiers}
+    return {t.tier: {"used": t.used_blocks, "pinned": t.pinned_blocks, "evictions": t.evictions} for t in stats.tiers}

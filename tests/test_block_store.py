@@ -264,9 +264,9 @@ def test_the_servicer_answers_slots_and_checksums_in_the_wires_codes():
     import asyncio
 
     from pdserve.bench.kvstore_bench import _layouts
-    from pdserve.kv.store_client import slots_from_pb
+    from pdserve.kvclient.store_client import slots_from_pb
+    from pdserve.rpc.convert import profile_to_pb
     from pdserve.v1 import kvstore_pb2 as pb
-    from pdserve.wire import profile_to_pb
     from services.kvstore.servicer import KVStoreServicer
 
     class Context:  # a stand-in for grpc's servicer context: only the metadata is read

@@ -24,7 +24,7 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
     for name in ("kvstore", "prefill", "decode", "router"):
         svc = resolved["services"][name]
         assert svc["command"][:3] == ["python", "-m", f"services.{name}"]
-        assert "pdserve.healthcheck" in svc["healthcheck"]["test"]
+        assert "pdserve.runtime.healthcheck" in svc["healthcheck"]["test"]
         assert svc["environment"]["PDSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert all(dep["condition"] == "service_healthy" for dep in svc["depends_on"].values())

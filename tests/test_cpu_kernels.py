@@ -29,7 +29,7 @@ def reference_attention(cache, q, table, ctx, layer):
 def test_page_checksums_equal_the_torch_reference_and_catch_swapped_words(dtype):
     from types import SimpleNamespace
 
-    from pdserve.serving.kv_pages import block_checksums, reference_checksums
+    from pdserve.worker.kv_pages import block_checksums, reference_checksums
 
     g = torch.Generator().manual_seed(7)
     pages = (torch.randn(40, LAYERS, 2, 2, BLOCK, 24, generator=g) * 1e3).to(dtype)

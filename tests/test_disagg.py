@@ -13,8 +13,8 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.serving.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from tests.support.stack import Stack, load, run, store_stats, stubs
 
 B = 16

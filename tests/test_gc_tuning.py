@@ -6,7 +6,7 @@ import gc
 
 from structlog.testing import capture_logs
 
-from pdserve import gc_tuning
+from pdserve.runtime import gc_tuning
 
 
 def test_tune_freezes_startup_objects_raises_the_thresholds_and_watches_pauses():

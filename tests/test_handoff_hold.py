@@ -11,7 +11,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.store_client import StoreClient
+from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import decode_pb2, prefill_pb2
 from tests.support.stack import Stack, run, store_stats, stubs
 from tests.test_disagg import B, expected, prompt, sampling

@@ -10,13 +10,13 @@ import time
 
 import redis.asyncio as aioredis
 
+from pdserve.cluster.index_events import EventWriter, IndexEvent, worker_owner
+from pdserve.cluster.index_mirror import IndexMirror, leading_runs
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.registry import Registration
+from pdserve.cluster.store_index import RedisIndex
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.redis_keys import RedisKeys
-from pdserve.serving.index_events import EventWriter, IndexEvent, worker_owner
-from pdserve.serving.registry import Registration
-from services.kvstore.redis_index import RedisIndex
-from services.router.index_mirror import IndexMirror, leading_runs
-from services.router.prefix_index import PrefixIndex
 
 PROFILE = HashProfile("f" * 64, KVLayout(4, 2, 16, 64, "float32"))
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from pdserve.kv.checksum import checksum_at
-from pdserve.kv.store_client import StoreClient
+from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_data, block_hash
@@ -34,7 +34,8 @@ def test_write_then_read_across_processes_bit_exact(shared_redis_url, key_prefix
         put = peer("put", store.address, "--seed", "11", "--n", str(n), "--tail")
         assert put == {"written": n + 1, "present": 0, "pending": 0, "slices": 1 if n + 1 <= 128 else 2}
         got = peer("get", store.address, "--seed", "11", "--n", str(n), "--tail")
-        assert got == {"num_blocks": n, "has_tail": True, "ok": True, "slices": 1 if n + 1 <= 128 else 2}
+        assert got == {"num_blocks": n, "has_tail": True, "ok": True, "slices": 1 if n + 1 <= 128 else 2,
+                       "corrupt": 0}
         tiers = tier_stats(LocalClient(store.address).stats())
         # The tail was allocated last and is gone once read (a per-request block is read once).
         assert tiers["device"]["used"] == min(n, 128) and tiers["dram"]["used"] == max(0, n - 128)
@@ -213,7 +214,7 @@ def test_killed_reader_and_writer_leases_lapse(small_store):
     assert elapsed < 3.5
     assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
     assert peer("get", small_store.address, "--seed", "6", "--n", "1") == {
-        "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0}
+        "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0, "corrupt": 0}
 
 
 def test_two_writers_of_the_same_blocks(shared_redis_url, key_prefix):
@@ -288,9 +289,9 @@ def test_bytes_path_and_cross_path(small_store):
     hashes = [block_hash(20, i) for i in range(3)]
     resp = c.call(StoreClient.put_bytes, hashes, data + bytes(block_data(20, -1).numpy()), tail_key="req-20",
                   tail_lease_ms=5000, chunk_bytes=7000)
-    assert (resp.written, resp.already_present) == (4, 0)
+    assert resp == (4, 0)
     assert peer("get", small_store.address, "--seed", "20", "--n", "3", "--tail") == {
-        "num_blocks": 3, "has_tail": True, "ok": True, "slices": 1}
+        "num_blocks": 3, "has_tail": True, "ok": True, "slices": 1, "corrupt": 0}
     c.put(21, [0, 1])
     n, has_tail, got = c.call(StoreClient.get_bytes, [block_hash(21, 0), block_hash(21, 1), block_hash(21, 9)])
     assert (n, has_tail) == (2, False) and got == b"".join(bytes(block_data(21, i).numpy()) for i in range(2))

@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from pdserve.kv.store_client import StoreClient
-from pdserve.launch import free_port
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.runtime.launch import free_port
 from tests.kv_peer import block_data, block_hash
 from tests.kvstore_support import LocalClient, start_store, tier_stats
 

@@ -110,3 +110,26 @@ def test_tiny_is_deterministic_and_llama_shaped(tiny):
     assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads) == (256, 4, 4, 2)
     assert tiny.tokenizer.vocab_size == c.vocab_size
     assert tiny.tokenizer.decode(tiny.tokenizer.encode("héllo wörld")) == "héllo wörld"
+
+
+def test_a_checkpoint_is_described_as_its_workers_load_it_without_reading_its_weights(tmp_path, monkeypatch):
+    """The router and the store take a checkpoint's fingerprint and config from config.json and
+    the safetensors headers (and sampled bytes), never loading its tensors: the same fingerprint
+    as the worker that loads it; another seed's weights, or another dtype, give another one."""
+    import pdserve.model.loader as loader
+    from pdserve.model.spec import describe
+    from tests.hf_checkpoints import make_checkpoint
+
+    make_checkpoint("llama", tmp_path / "a", seed=1)
+    make_checkpoint("llama", tmp_path / "b", seed=2)
+    loaded = load_model(str(tmp_path / "a"))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("describe() must not open the weights as tensors")
+
+    monkeypatch.setattr(loader, "safe_open", no_weights)
+    spec = describe(str(tmp_path / "a"))
+    assert (spec.fingerprint, spec.config, spec.dtype) == (loaded.fingerprint, loaded.config, torch.float32)
+    assert spec.tokenizer.encode("hi") == loaded.tokenizer.encode("hi")
+    assert describe(str(tmp_path / "b")).fingerprint != spec.fingerprint
+    assert describe(str(tmp_path / "a"), torch.bfloat16).fingerprint != spec.fingerprint

@@ -7,9 +7,9 @@ import asyncio
 
 import redis
 
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.registry import Registration
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.redis_keys import RedisKeys
-from pdserve.serving.registry import Registration
 
 PROFILE = HashProfile("f" * 64, KVLayout(4, 2, 16, 64, "float32"))
 

@@ -169,7 +169,7 @@ def test_client_cancel_mid_stream_releases_everything(stack):
 
 
 def test_hash_profile_mismatch_is_refused(stack):
-    from pdserve.launch import ServiceProcess
+    from pdserve.runtime.launch import ServiceProcess
 
     # A worker of another deployment (block size 32, its own store) registers in the same Redis.
     odd_store = ServiceProcess("services.kvstore", "--model", "tiny", "--block-size", "32", "--device", "host",
@@ -283,7 +283,7 @@ def test_generate_streamed_ends_with_result(stack):
 def test_prometheus_metrics_endpoint(shared_redis_url, key_prefix):
     import urllib.request
 
-    from pdserve.launch import free_port
+    from pdserve.runtime.launch import free_port
 
     port = free_port()
     s = Stack(shared_redis_url, key_prefix).start(1, 1)

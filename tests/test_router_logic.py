@@ -104,8 +104,8 @@ def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared
     import redis as sync_redis
     import redis.asyncio as aioredis
 
-    from pdserve.redis_keys import RedisKeys
-    from services.router.prefix_index import PrefixIndex
+    from pdserve.cluster.keys import RedisKeys
+    from pdserve.cluster.prefix_index import PrefixIndex
 
     keys = RedisKeys(key_prefix)
     chain = [bytes([i]) * 16 for i in range(1, 41)]

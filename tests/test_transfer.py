@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv.transfer import Span, Transfer, TransferError
+from pdserve.kvclient.transfer import Span, Transfer, TransferError
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
 
 
 def test_block_spans_merge_runs_adjacent_on_both_sides_only():
-    from pdserve.kv.transfer import block_spans, coalesce
+    from pdserve.kvclient.transfer import block_spans, coalesce
 
     n = 4096
     pairs = [(0, 8 * n), (n, 9 * n), (2 * n, 10 * n),  # one run of three

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
+from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 
 
 @dataclass

@@ -26,9 +26,9 @@ import statistics
 import time
 
 from pdserve.bench.report import Target, emit
-from pdserve.launch import RedisServer, ServiceProcess, redis_reachable
-from pdserve.serving.dispatch import Finished, FirstFromPrefill, disaggregated
+from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.router.dispatch import Finished, FirstFromPrefill, disaggregated
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -89,7 +89,7 @@ async def _colocated_request(d, rid, ids, max_tokens, times: list[float] | None 
 
 
 async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int], repeats: int) -> list[dict]:
-    from pdserve.server import channel
+    from pdserve.runtime.server import channel
 
     rows = []
     async with channel(prefill_addr) as pc, channel(decode_addr) as dc:
@@ -114,7 +114,7 @@ async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int]
 
 async def prefix_reuse(prefill_addr: str, decode_addr: str, n: int, repeats: int) -> dict:
     """TTFT of a prompt whose first 90% is in the prefill worker's cache vs the same length cold."""
-    from pdserve.server import channel
+    from pdserve.runtime.server import channel
 
     async with channel(prefill_addr) as pc, channel(decode_addr) as dc:
         p, d = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
@@ -134,7 +134,7 @@ async def prefix_reuse(prefill_addr: str, decode_addr: str, n: int, repeats: int
 
 async def itl_under_load(mode: str, prefill_addr: str, decode_addr: str, args) -> dict:
     """ITL of `args.decodes` running decodes, while long prompts arrive (unless mode ends in _idle)."""
-    from pdserve.server import channel
+    from pdserve.runtime.server import channel
 
     async with channel(decode_addr) as dc, channel(prefill_addr or decode_addr) as pc:
         d, p = decode_pb2_grpc.DecodeStub(dc), prefill_pb2_grpc.PrefillStub(pc)

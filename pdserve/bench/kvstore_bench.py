@@ -26,10 +26,10 @@ import torch
 from pdserve.bench.report import Target, emit
 from pdserve.kv.checksum import checksums_at
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.store_client import StoreClient
-from pdserve.kv.transfer import Span, Transfer, TransferError
-from pdserve.launch import ServiceProcess
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.kvclient.transfer import Span, Transfer, TransferError
 from pdserve.model.loader import load_model
+from pdserve.runtime.launch import ServiceProcess
 
 GB = 1e9
 GRPC_MAX_BYTES = 256 * 2**20  # the gRPC-bytes path is measured up to this size (it is the slow path)

@@ -15,9 +15,8 @@ from safetensors import safe_open
 
 from pdserve.model.config import ModelConfig, dtype_name
 from pdserve.model.llama import Transformer
+from pdserve.model.spec import TINY, checkpoint_fingerprint, read_config, safetensors_files
 from pdserve.model.tokenizer import Tokenizer
-
-TINY = "tiny"
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     dtype: torch.dtype
-    fingerprint: str  # sha256 hex over config + weights; workers with different ones never share KV
+    fingerprint: str  # sha256 hex (spec.py): workers with different ones never share KV
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -39,14 +38,10 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
         config, model, tokenizer = _load_hf(Path(name_or_path))
     model = model.to(dtype).eval()
     model.rope.float()  # rotary tables stay fp32; cast per use
-    return LoadedModel(
-        name=name_or_path,
-        config=config,
-        model=model,
-        tokenizer=tokenizer,
-        dtype=dtype,
-        fingerprint=fingerprint(config, model),
-    )
+    print_ = (fingerprint(config, model) if name_or_path == TINY  # (tiny has no files: its values, all of them)
+              else checkpoint_fingerprint(Path(name_or_path), config, dtype))
+    return LoadedModel(name=name_or_path, config=config, model=model, tokenizer=tokenizer, dtype=dtype,
+                       fingerprint=print_)
 
 
 def fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:
@@ -60,17 +55,7 @@ def fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:
 
 
 def _load_hf(path: Path) -> tuple[ModelConfig, Transformer, Tokenizer]:
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (or use the built-in model 'tiny')")
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"missing {config_path}: not a Hugging Face checkpoint directory")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if eos is not None:
-            config = config.with_eos(tuple(eos) if isinstance(eos, list) else (eos,))
+    config = read_config(path)
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     with torch.device("meta"):
         model = Transformer(config)
@@ -87,18 +72,8 @@ def _load_hf(path: Path) -> tuple[ModelConfig, Transformer, Tokenizer]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"weight file named in the index is missing: {f}")
+    for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 weights[key] = sf.get_tensor(key)

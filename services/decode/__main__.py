@@ -1,8 +1,8 @@
 """`python -m services.decode`: a decode worker process."""
 
 from pdserve.engine.config import Role
-from pdserve.serving.main import serve_worker
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.worker.main import serve_worker
 from services.decode.decoder import Decoder
 from services.decode.servicer import DecodeServicer
 

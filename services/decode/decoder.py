@@ -12,14 +12,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pdserve import logs, telemetry
+from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pdserve.model.tokenizer import TextStream
-from pdserve.serving.bootstrap import Worker
-from pdserve.serving.engine_thread import Progress
+from pdserve.runtime import telemetry
+from pdserve.worker.bootstrap import Worker
+from pdserve.worker.engine_thread import Progress
 
 log = logs.get("decode")
 tracer = telemetry.tracer("pdserve.decode")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pdserve.errors import InvalidArgument, NotFound
-from pdserve.serving.bootstrap import Worker
-from pdserve.serving.validate import request_basics
+from pdserve.rpc.convert import finish_to_pb
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
-from pdserve.wire import finish_to_pb
+from pdserve.worker.bootstrap import Worker
+from pdserve.worker.validate import request_basics
 from services.decode.decoder import Admitted, DecodeInput, Decoder, Done, FirstToken, Token
 
 

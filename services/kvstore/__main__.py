@@ -8,17 +8,18 @@ import uuid
 
 import torch
 
-from pdserve import gc_tuning, logs
+from pdserve import logs
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.store_index import RedisIndex
 from pdserve.kv.layout import HashProfile, KVLayout
-from pdserve.kv.transfer import Transfer
+from pdserve.kvclient.transfer import Transfer
 from pdserve.model.config import parse_dtype
-from pdserve.redis_keys import RedisKeys
-from pdserve.server import build_server
-from pdserve.service import parse_config, pin_cpus, run, write_port_file
+from pdserve.runtime import gc_tuning
+from pdserve.runtime.server import build_server
+from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.memory import TierMemory
-from services.kvstore.redis_index import RedisIndex
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.store import BlockStore
 
@@ -33,9 +34,9 @@ def hash_profile(cfg: KVStoreConfig) -> HashProfile:
         layers, heads, block, dim = (int(x) for x in parts[:4])
         return HashProfile(cfg.model_fingerprint, KVLayout(layers, heads, block, dim, parts[4]))
     from pdserve.engine.mock_runner import mock_fingerprint
-    from pdserve.model.loader import load_model
+    from pdserve.model.spec import describe
 
-    loaded = load_model(cfg.model, parse_dtype(cfg.dtype))
+    loaded = describe(cfg.model, parse_dtype(cfg.dtype))  # (no weights)
     fingerprint = mock_fingerprint(loaded.fingerprint) if cfg.engine == "mock" else loaded.fingerprint
     return HashProfile(fingerprint, KVLayout.for_model(loaded.config, cfg.block_size, loaded.dtype))
 

@@ -9,9 +9,9 @@ from pdserve import logs
 from pdserve.errors import DataLoss, InvalidArgument
 from pdserve.kv.checksum import checksum_of
 from pdserve.kv.layout import HashProfile
+from pdserve.rpc.convert import hashes_from_pb, profile_to_pb, require_profile
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
-from pdserve.wire import hashes_from_pb, profile_to_pb, require_profile
 from services.kvstore.blocks import Block
 from services.kvstore.store import DEVICE, DRAM, BlockStore, Slot, SlotState
 

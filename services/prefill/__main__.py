@@ -1,8 +1,8 @@
 """`python -m services.prefill`: a prefill worker process."""
 
 from pdserve.engine.config import Role
-from pdserve.serving.main import serve_worker
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.worker.main import serve_worker
 from services.prefill.offloader import Offloader
 from services.prefill.prefiller import Prefiller
 from services.prefill.servicer import PrefillServicer

@@ -18,8 +18,8 @@ import torch
 
 from pdserve import logs
 from pdserve.kv.hashing import BlockHash
-from pdserve.kv.transfer import TransferError
-from pdserve.serving.bootstrap import Worker
+from pdserve.kvclient.transfer import TransferError
+from pdserve.worker.bootstrap import Worker
 
 log = logs.get("offload")
 

@@ -8,14 +8,15 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from pdserve import logs, telemetry
+from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import InvalidArgument, ResourceExhausted
-from pdserve.kv.store_client import WRITE, Allocation
-from pdserve.serving.bootstrap import Worker
-from pdserve.serving.engine_thread import Progress
+from pdserve.kvclient.store_client import WRITE, Allocation
+from pdserve.runtime import telemetry
+from pdserve.worker.bootstrap import Worker
+from pdserve.worker.engine_thread import Progress
 
 log = logs.get("prefill")
 tracer = telemetry.tracer("pdserve.prefill")

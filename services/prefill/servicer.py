@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.serving.bootstrap import Worker
-from pdserve.serving.validate import request_basics
+from pdserve.rpc.convert import finish_to_pb
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.wire import finish_to_pb
+from pdserve.worker.bootstrap import Worker
+from pdserve.worker.validate import request_basics
 from services.prefill.prefiller import Prefiller, PrefillInput, PrefillOutput
 
 

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-import redis.asyncio as aioredis
-
 from pdserve import logs
+from pdserve.cluster import connect
+from pdserve.cluster.index_mirror import IndexMirror
+from pdserve.cluster.keys import RedisKeys
 from pdserve.engine.mock_runner import mock_fingerprint
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.model.config import parse_dtype
-from pdserve.model.loader import load_model
-from pdserve.redis_keys import RedisKeys
-from pdserve.server import build_server
-from pdserve.service import parse_config, pin_cpus, run, write_port_file
+from pdserve.model.spec import describe
+from pdserve.runtime.server import build_server
+from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
-from services.router.index_mirror import IndexMirror
 from services.router.metrics import Metrics
 from services.router.router import Router
 from services.router.servicer import RouterServicer
@@ -29,14 +28,14 @@ log = logs.get("router")
 async def main() -> None:
     cfg = parse_config(RouterConfig, "python -m services.router")
     pin_cpus(cfg.cpus)
-    model = load_model(cfg.model, parse_dtype(cfg.dtype))
+    model = describe(cfg.model, parse_dtype(cfg.dtype))  # (no weights: config, tokenizer, fingerprint)
     fingerprint = mock_fingerprint(model.fingerprint) if cfg.engine == "mock" else model.fingerprint
     profile = HashProfile(fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))
-    redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    redis = connect(cfg.redis_url, 0.5)
     keys = RedisKeys(cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
     metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
-    mirror = IndexMirror(aioredis.Redis.from_url(cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=0.5),
+    mirror = IndexMirror(connect(cfg.redis_url, 2.0),
                          keys) if cfg.index_mirror else None
     router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,
                     redis, pool, metrics, mirror)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
-from pdserve.service import parse_cpus
+from pdserve.runtime.service import parse_cpus
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 

@@ -8,22 +8,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-import redis.asyncio as aioredis
 
-from pdserve import logs, telemetry
+from pdserve import logs
+from pdserve.cluster import REDIS_DOWN, Redis
+from pdserve.cluster.index_mirror import IndexMirror
+from pdserve.cluster.prefix_index import PrefixHits, PrefixIndex
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidArgument, ResourceExhausted
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
-from pdserve.serving.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
+from pdserve.rpc.convert import profile_to_pb, sampling_to_pb
+from pdserve.runtime import telemetry
 from pdserve.v1 import decode_pb2
-from pdserve.wire import profile_to_pb, sampling_to_pb
 from services.router.config import RouterConfig
-from services.router.index_mirror import IndexMirror
+from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
-from services.router.prefix_index import PrefixHits, PrefixIndex
 from services.router.recent import RecentRoutes
 from services.router.workers import WorkerPool, WorkerView
 
@@ -74,7 +75,7 @@ class Router:
     """Stateless apart from caches: the pool view, learned coefficients, the round-robin cursor."""
 
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, profile: HashProfile, max_model_len: int,
-                 vocab_size: int, redis: aioredis.Redis, pool: WorkerPool, metrics: Metrics,
+                 vocab_size: int, redis: Redis, pool: WorkerPool, metrics: Metrics,
                  mirror: IndexMirror | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -173,7 +174,7 @@ class Router:
             return self.mirror.lookup(hashes, prefill_ids)
         try:
             return await self.index.lookup(hashes, prefill_ids)
-        except (aioredis.RedisError, OSError):
+        except REDIS_DOWN:
             self.pool.redis_ok = False
             return PrefixHits({}, 0)
 
@@ -296,6 +297,6 @@ class Router:
             await self.index.record("store", prompt_tokens, route.expected_store_tokens, u.cached_tokens_store)
             await self.index.record("all", prompt_tokens, route.expected_local_tokens + route.expected_store_tokens,
                                     hit)
-        except (aioredis.RedisError, OSError):
+        except REDIS_DOWN:
             self.pool.redis_ok = False
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pdserve import logs
 from pdserve.errors import InvalidArgument
+from pdserve.rpc.convert import sampling_from_pb
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.wire import sampling_from_pb
 from services.router.router import Router, Summary, TokenOut
 
 

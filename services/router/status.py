@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import grpc
-import redis.asyncio as aioredis
 
-from pdserve.server import channel
+from pdserve.cluster import REDIS_DOWN
+from pdserve.runtime.server import channel
 from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, router_pb2
 from services.router.router import Router
 
@@ -26,7 +26,7 @@ async def status(router: Router, store_address: str) -> router_pb2.StatusRespons
                 lookup, hit = t.get("lookup_tokens", 0), t.get("hit_tokens", 0)
                 rates.append(router_pb2.HitRates(scope=scope, hit_tokens=hit, lookup_tokens=lookup,
                                                  ratio=hit / lookup if lookup else 0.0))
-        except (aioredis.RedisError, OSError):
+        except REDIS_DOWN:
             pool.redis_ok = False
     routing = router.policy.name if pool.redis_ok else "load_only (redis unreachable)"
     return router_pb2.StatusResponse(workers=workers, redis_connected=pool.redis_ok, routing=routing,

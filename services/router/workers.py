@@ -12,15 +12,15 @@ import json
 from dataclasses import dataclass, field
 
 import grpc
-import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import logs
+from pdserve.cluster import REDIS_DOWN, Redis
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.registry import profile_json, read_registrations
 from pdserve.kv.layout import HashProfile
-from pdserve.redis_keys import RedisKeys
-from pdserve.server import channel
-from pdserve.serving.registry import profile_json
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.server import channel
+from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 log = logs.get("router.workers")
@@ -49,7 +49,7 @@ class WorkerView:
 class WorkerPool:
     """Owns the router's worker views and their channels; refreshed by one background task."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float):
+    def __init__(self, redis: Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float):
         self.redis = redis
         self.keys = keys
         self.profile_json = profile_json(profile)
@@ -85,12 +85,8 @@ class WorkerPool:
 
     async def _read_registry(self) -> None:
         try:
-            ids = await self.redis.zrange(self.keys.workers(), 0, -1)
-            pipe = self.redis.pipeline(transaction=False)
-            for wid in ids:
-                pipe.hgetall(self.keys.worker(wid.decode()))
-            records = await pipe.execute()
-        except (aioredis.RedisError, OSError) as e:
+            records = await read_registrations(self.redis, self.keys)
+        except REDIS_DOWN as e:
             if self.redis_ok or not self._warned:
                 log.warning("redis unreachable: routing by load alone on the last known workers", error=str(e))
                 self._warned = True
@@ -100,11 +96,7 @@ class WorkerPool:
             log.info("redis reachable: cache-aware routing on")
         self.redis_ok, self._warned = True, False
         seen = set()
-        for wid, rec in zip(ids, records, strict=True):
-            wid = wid.decode()
-            if not rec:
-                continue  # heartbeat lapsed: its hash expired
-            rec = {k.decode(): v.decode() for k, v in rec.items()}
+        for wid, rec in records:
             if rec.get("role") not in ("prefill", "decode"):
                 continue
             seen.add(wid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.launch import ROOT, RedisServer, ServiceProcess, free_port, redis_reachable
+from pdserve.runtime.launch import ROOT, RedisServer, ServiceProcess, free_port, redis_reachable
 
 __all__ = ["ROOT", "RedisServer", "ServiceProcess", "free_port", "redis_reachable", "health", "SERVING",
            "NOT_SERVING"]

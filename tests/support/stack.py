@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.launch import ServiceProcess
+from pdserve.runtime.launch import ServiceProcess
 from pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 MIB = 1024 * 1024

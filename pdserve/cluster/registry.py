@@ -14,10 +14,10 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster.index_events import EventWriter, worker_owner
+from pdserve.cluster.keys import RedisKeys
 from pdserve.kv.layout import HashProfile
-from pdserve.redis_keys import RedisKeys
-from pdserve.serving.index_events import EventWriter, worker_owner
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 
 log = logs.get("registry")
 
@@ -112,3 +112,15 @@ class Registration:
                 self.connected = False
                 self._published = None  # republish the whole set once Redis is back
             await asyncio.sleep(self.interval_s)
+
+
+async def read_registrations(redis: aioredis.Redis, keys: RedisKeys) -> list[tuple[str, dict[str, str]]]:
+    """Every registered worker's id and record (an expired record, whose heartbeat lapsed, is left
+    out). Raises what Redis raises when it cannot be reached."""
+    ids = await redis.zrange(keys.workers(), 0, -1)
+    pipe = redis.pipeline(transaction=False)
+    for wid in ids:
+        pipe.hgetall(keys.worker(wid.decode()))
+    records = await pipe.execute()
+    return [(wid.decode(), {k.decode(): v.decode() for k, v in rec.items()})
+            for wid, rec in zip(ids, records, strict=True) if rec]

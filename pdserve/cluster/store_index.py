@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster.index_events import STORE_OWNER, EventWriter
+from pdserve.cluster.keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 from pdserve.kv.hashing import HASH_BYTES
-from pdserve.redis_keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
-from pdserve.serving.index_events import STORE_OWNER, EventWriter
-from pdserve.tasks import cancel_and_wait
+from pdserve.runtime.tasks import cancel_and_wait
 
 log = logs.get("kvstore.index")
 

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import logs
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.registry import Registration
 from pdserve.engine.config import EngineConfig, Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.mock_runner import CostModel
 from pdserve.kv.layout import HashProfile
-from pdserve.kv.store_client import StoreClient
-from pdserve.kv.transfer import Transfer
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.kvclient.transfer import Transfer
 from pdserve.model.config import parse_dtype
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.redis_keys import RedisKeys
-from pdserve.serving.config import WorkerConfig
-from pdserve.serving.engine_thread import EngineThread
-from pdserve.serving.kv_pages import PageAddresses
-from pdserve.serving.registry import Registration
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.engine_thread import EngineThread
+from pdserve.worker.kv_pages import PageAddresses
 
 log = logs.get("worker")
 
@@ -56,17 +56,10 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     transfer.register(engine.kv_cache.tensor)
     store = StoreClient(cfg.store, engine.profile, transfer, timeout_s=cfg.store_timeout_ms / 1000)
     info = await store.connect()
-    if engine.profile.mismatch(_profile(info)):
-        raise SystemExit(f"store at {cfg.store} serves another hash profile: "
-                         f"{engine.profile.mismatch(_profile(info))}")
+    if engine.profile.mismatch(info.profile):
+        raise SystemExit(f"store at {cfg.store} serves another hash profile: {engine.profile.mismatch(info.profile)}")
     thread = EngineThread(engine)
     thread.start()
     log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12],
              num_blocks=cfg.num_blocks, store=cfg.store, segment=transfer.segment)
     return Worker(cfg, role, model, thread, engine.profile, transfer, store, PageAddresses(engine.kv_cache))
-
-
-def _profile(info) -> HashProfile:
-    from pdserve.wire import profile_from_pb
-
-    return profile_from_pb(info.profile)

@@ -1,4 +1,4 @@
-"""`python -m pdserve.healthcheck HOST:PORT`: exit 0 when the server's gRPC health is SERVING (compose)."""
+"""`python -m pdserve.runtime.healthcheck HOST:PORT`: exit 0 when the server's gRPC health is SERVING (compose)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from pdserve.redis_keys import KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+from pdserve.cluster.keys import KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 
 
 @dataclass(frozen=True)

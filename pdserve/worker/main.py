@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import Callable
 
 from pdserve.engine.config import Role
-from pdserve.server import build_server
-from pdserve.service import parse_config, pin_cpus, run, write_port_file
-from pdserve.serving.bootstrap import Worker, start_worker
-from pdserve.serving.config import WorkerConfig
+from pdserve.runtime.server import build_server
+from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
+from pdserve.worker.bootstrap import Worker, start_worker
+from pdserve.worker.config import WorkerConfig
 
 
 def serve_worker(role: Role, make_servicer: Callable[[Worker], object], add_to_server: Callable,

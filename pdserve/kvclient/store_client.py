@@ -19,11 +19,11 @@ import grpc
 from pdserve import logs
 from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
-from pdserve.kv.transfer import Span, Transfer, TransferError, block_spans
-from pdserve.server import channel
+from pdserve.kvclient.transfer import Span, Transfer, TransferError, block_spans
+from pdserve.rpc.convert import hashes_to_pb, profile_from_pb, profile_to_pb
+from pdserve.runtime.server import channel
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
-from pdserve.wire import hashes_to_pb, profile_to_pb
 
 log = logs.get("kv.client")
 CLIENT_ID_KEY = "pdserve-client-id"
@@ -44,6 +44,62 @@ class GetResult:
     has_tail: bool
     slices: int
     corrupt: int = 0  # blocks that failed their checksum (not read: the prefix ends before the first)
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    segment: str  # the store's transfer-engine peer name
+    unix_address: str  # its gRPC address for clients on its host ("" when it offers none)
+    profile: HashProfile
+    block_nbytes: int
+    device_capacity_blocks: int
+    dram_capacity_blocks: int
+    device_kind: str
+
+
+@dataclass(frozen=True)
+class Released:
+    unpinned: int  # blocks a read or hold lease let go of
+    reclaimed: int  # uncommitted slots of a write lease, fenced before reuse
+
+
+@dataclass(frozen=True)
+class TierStats:
+    tier: str  # "device" | "dram"
+    capacity_blocks: int
+    used_blocks: int  # held, being written, or fenced
+    pinned_blocks: int
+    hits: int
+    evictions: int
+    promotions: int
+    duplicate_blocks: int  # handoff copies their writer still caches
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    tiers: list[TierStats]
+    hits: int
+    misses: int
+    bytes_written: int
+    bytes_read: int
+    active_leases: int
+    watchers: int
+    redis_connected: bool
+    corrupt_blocks: int  # blocks found failing their checksum, dropped
+    fenced_blocks: int  # slots quarantined now
+
+    def tier(self, name: str) -> TierStats:
+        return next(t for t in self.tiers if t.tier == name)
+
+
+_TIER_NAME = {pb.TIER_DEVICE: "device", pb.TIER_DRAM: "dram"}
+
+
+def stats_from_pb(m: pb.StatsResponse) -> StoreStats:
+    tiers = [TierStats(_TIER_NAME[t.tier], t.capacity_blocks, t.used_blocks, t.pinned_blocks, t.hits, t.evictions,
+                       t.promotions, t.duplicate_blocks) for t in m.tiers]
+    return StoreStats(tiers, m.hits, m.misses, m.bytes_written, m.bytes_read, m.active_leases, m.watchers,
+                      m.redis_connected, m.corrupt_blocks, m.fenced_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +176,7 @@ class StoreClient:
         self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
         self._connecting: asyncio.Future | None = None
 
-    async def connect(self) -> pb.InfoResponse:
+    async def connect(self) -> StoreInfo:
         """Ask the store where it is (its transfer-engine segment) and switch to its Unix address
         when this host reaches it."""
         await self._close_channels()
@@ -135,7 +191,8 @@ class StoreClient:
             except grpc.aio.AioRpcError:
                 pass  # another host or network namespace: TCP it is
         self.segment = info.segment
-        return info
+        return StoreInfo(info.segment, info.unix_address, profile_from_pb(info.profile), info.block_nbytes,
+                         info.device_capacity_blocks, info.dram_capacity_blocks, info.device_kind)
 
     def _open(self, target: str) -> kvstore_pb2_grpc.KVStoreStub:
         ch = channel(target)
@@ -322,8 +379,9 @@ class StoreClient:
             raise
 
     # -- leases ---------------------------------------------------------------------------------
-    async def release(self, lease_id: str) -> pb.ReleaseLeaseResponse:
-        return await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+    async def release(self, lease_id: str) -> Released:
+        resp = await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+        return Released(resp.unpinned, resp.reclaimed)
 
     async def renew(self, lease_id: str, lease_ms: int = 0) -> None:
         await self._call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=lease_ms))
@@ -364,7 +422,8 @@ class StoreClient:
 
     # -- gRPC-bytes path --------------------------------------------------------------------
     async def put_bytes(self, hashes: Sequence[bytes], data: bytes, tail_key: str = "", tail_lease_ms: int = 0,
-                        request_id: str = "", chunk_bytes: int = 1024 * 1024) -> pb.PutBytesResponse:
+                        request_id: str = "", chunk_bytes: int = 1024 * 1024) -> tuple[int, int]:
+        """Blocks sent in the messages; returns (written, already present: their bytes kept)."""
         header = pb.PutBytesHeader(profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key,
                                    tail_lease_ms=tail_lease_ms, request_id=request_id)
 
@@ -375,7 +434,8 @@ class StoreClient:
                 yield pb.PutBytesRequest(data=bytes(view[i : i + chunk_bytes]))
 
         stub = await self._stub_ready()
-        return await stub.PutBytes(messages(), timeout=self.timeout_s, metadata=self._metadata)
+        resp = await stub.PutBytes(messages(), timeout=self.timeout_s, metadata=self._metadata)
+        return resp.written, resp.already_present
 
     async def get_bytes(self, hashes: Sequence[bytes], tail_key: str = "",
                         request_id: str = "") -> tuple[int, bool, bytes]:
@@ -394,6 +454,6 @@ class StoreClient:
                 parts.append(msg.data)
         return head.num_blocks, head.has_tail, b"".join(parts)
 
-    async def stats(self) -> pb.StatsResponse:
-        return await self._call("Stats", pb.StatsRequest())
+    async def stats(self) -> StoreStats:
+        return stats_from_pb(await self._call("Stats", pb.StatsRequest()))
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (services run from it with -m)
 
 
 def die_with_parent() -> list[str]:

@@ -2,7 +2,7 @@
 
 Redis holds the index (each prefill worker's set of cached hashes, the store's hash -> tier map)
 and a stream of change events that its writers append in the same transaction as each change
-(pdserve.serving.index_events). The mirror snapshots the keys, then tails the stream from the
+(pdserve.cluster.index_events). The mirror snapshots the keys, then tails the stream from the
 event before the snapshot: re-applying a change the snapshot already shows is harmless (each
 event adds or removes members), so the mirror ends exact. A reset event, or a gap in an owner's
 numbering, makes it re-read that owner's key; every `resync_s` it re-reads everything, which
@@ -22,10 +22,10 @@ import time
 import redis.asyncio as aioredis
 
 from pdserve import logs
-from pdserve.redis_keys import RedisKeys
-from pdserve.serving.index_events import STORE_OWNER, WORKER_OWNER, IndexEvent
-from pdserve.tasks import cancel_and_wait
-from services.router.prefix_index import PrefixHits
+from pdserve.cluster.index_events import STORE_OWNER, WORKER_OWNER, IndexEvent
+from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.prefix_index import PrefixHits
+from pdserve.runtime.tasks import cancel_and_wait
 
 log = logs.get("router.mirror")
 

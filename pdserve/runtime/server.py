@@ -20,10 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import logs, telemetry
+from pdserve import logs
 from pdserve.errors import status_for
+from pdserve.runtime import telemetry
 
-log = logs.get("pdserve.server")
+log = logs.get("pdserve.runtime.server")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 EXIT_DEADLINE_S = 5.0  # after the grace period, how long teardown may take before a hard exit

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
 
-from pdserve.redis_keys import INDEX_EVENTS_MAXLEN, RedisKeys
+from pdserve.cluster.keys import INDEX_EVENTS_MAXLEN, RedisKeys
 
 HASH_BYTES = 16  # block hashes are 16 bytes; events carry them packed, back to back
 STORE_OWNER = "store"

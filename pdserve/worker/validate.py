@@ -6,7 +6,7 @@ from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidArgument
 from pdserve.kv.layout import HashProfile
-from pdserve.wire import require_profile, sampling_from_pb
+from pdserve.rpc.convert import require_profile, sampling_from_pb
 
 
 def request_basics(request_id: str, prompt_ids, sampling_pb, profile_pb, expected: HashProfile,

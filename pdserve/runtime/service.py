@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from pdserve import config as config_mod
-from pdserve import logs, telemetry
+from pdserve import logs
+from pdserve.runtime import telemetry
 
 T = TypeVar("T")
 
