@@ -306,3 +306,22 @@ def test_the_servicer_answers_slots_and_checksums_in_the_wires_codes():
         asyncio.run(servicer.Get(pb.GetRequest(profile=profile_to_pb(profile), block_hashes=b"x" * 17), me))
     with pytest.raises(Invalid, match="metadata 'pdserve-client-id' is missing"):
         asyncio.run(servicer.Get(pb.GetRequest(profile=profile_to_pb(profile), block_hashes=_h(0)), Context("")))
+
+
+def test_the_run_allocator_hands_out_runs_and_merges_what_is_freed():
+    from services.kvstore.memory import RunAllocator
+
+    a = RunAllocator(10)
+    assert a.allocate(3).tolist() == [0, 1, 2] and a.allocate(4).tolist() == [3, 4, 5, 6]
+    for slot in (1, 4, 5):
+        a.free(slot)
+    assert a.num_free == 6 and a._starts == [1, 4, 7] and a._lengths == {1: 1, 4: 2, 7: 3}
+    assert a.allocate(2).tolist() == [4, 5]  # the first run that fits
+    a.free(2)
+    a.free(0)
+    assert a._starts == [0, 7] and a._lengths == {0: 3, 7: 3}  # merged both ways
+    assert a.allocate(5).tolist() == [0, 1, 2, 7, 8]  # no run fits: the largest runs, fewest of them
+    with pytest.raises(RuntimeError, match="double free of slot 9"):
+        a.free(9)
+    with pytest.raises(RuntimeError, match="want 2 slots, 1 free"):
+        a.allocate(2)
