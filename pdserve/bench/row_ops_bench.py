@@ -49,17 +49,12 @@ def _add_rms(h, residual, weight, eps: float):
     return F.rms_norm(residual, weight.shape, weight, eps), residual
 
 
-def _silu_mul(gate_up, n: int):
-    gate, up = gate_up.split(n, dim=-1)
-    return F.silu(gate) * up
-
-
 def _compile() -> None:
     torch._dynamo.config.recompile_limit = 256  # one graph per (op, shape): never fall back to eager unseen
     # Dynamo is not to trace into the ctypes calls: each is a graph break, run as it is.
     cpu_kernels.paged_decode = torch.compiler.disable(cpu_kernels.paged_decode)
     cpu_kernels.write_kv = torch.compiler.disable(cpu_kernels.write_kv)
-    for name, fn in (("linear", F.linear), ("add_rms", _add_rms), ("silu_mul", _silu_mul), ("rotate", rotate)):
+    for name, fn in (("linear", F.linear), ("add_rms", _add_rms), ("rotate", rotate)):
         COMPILED[name] = torch.compile(fn, dynamic=False)
 
 
@@ -67,21 +62,16 @@ def _compiled_add_norm(self, h, residual, row_ops):
     return COMPILED["add_rms"](h, residual, self.weight, self.eps)
 
 
-def _compiled_mlp(self, x, row_ops=False):
-    gate_up = llama.linear(self.w_gate_up, x, row_ops)
-    return llama.linear(self.w_down, COMPILED["silu_mul"](gate_up, self.intermediate_size), row_ops)
-
-
 LINEARS = {"eager": _eager_linear, "compiled": _compiled_linear, "c": _c_linear}
-ORIGINAL = (llama.rotate, llama.RMSNorm.add_norm, llama.MLP.forward)
+ORIGINAL = (llama.rotate, llama.RMSNorm.add_norm)
 
 
 def _use(gemm: str, pointwise: str) -> bool:
     """Point llama at the chosen ops; returns the metadata's row_ops (True: the C pointwise ops)."""
     llama.linear = LINEARS[gemm]
-    llama.rotate, llama.RMSNorm.add_norm, llama.MLP.forward = ORIGINAL
+    llama.rotate, llama.RMSNorm.add_norm = ORIGINAL
     if pointwise == "compiled":
-        llama.rotate, llama.RMSNorm.add_norm, llama.MLP.forward = COMPILED["rotate"], _compiled_add_norm, _compiled_mlp
+        llama.rotate, llama.RMSNorm.add_norm = COMPILED["rotate"], _compiled_add_norm
     return pointwise == "c"
 
 
@@ -149,18 +139,15 @@ def _op_us(fn, repeats: int) -> float:
 
 def _pointwise_rows(config: ModelConfig, name: str, batch: int, repeats: int, lines: list[str]) -> list[dict]:
     """Each pointwise op alone on `batch` rows: eager torch, torch.compile, C (µs per call)."""
-    d, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    d, hd = config.hidden_size, config.head_dim
     heads = config.num_heads + config.num_kv_heads
     h, res, w = torch.randn(batch, d), torch.randn(batch, d), torch.ones(d)
-    gate_up = torch.randn(batch, 2 * inter)
     qk = torch.randn(batch, heads, hd)
     # Real angles: rotating in place again and again keeps the values' size.
     cos, sin = RotaryEmbedding(hd, 4096, config.rope_theta, None).at(torch.arange(batch) * 7, torch.float32)
     ops = {
         "add_rms_norm": (lambda: _add_rms(h, res, w, 1e-5), lambda: COMPILED["add_rms"](h, res, w, 1e-5),
                          lambda: cpu_kernels.add_rms_norm(res, h, w, 1e-5)),
-        "silu_and_mul": (lambda: _silu_mul(gate_up, inter), lambda: COMPILED["silu_mul"](gate_up, inter),
-                         lambda: cpu_kernels.silu_and_mul(gate_up)),
         "rope": (lambda: rotate(qk, (cos, sin)), lambda: COMPILED["rotate"](qk, (cos, sin)),
                  lambda: cpu_kernels.rope_(qk, cos, sin)),
     }

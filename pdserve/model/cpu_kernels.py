@@ -41,8 +41,6 @@ def library() -> ctypes.CDLL:
         fn.restype = None
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float]
     lib.rms_norm_f32.restype = None
-    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.silu_and_mul_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.rope_f32.restype = None
     lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
@@ -145,15 +143,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _fn("rms_norm_f32")(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
                            0 if delta is None else delta.stride(0), out.data_ptr(), dim, weight.data_ptr(), rows,
                            dim, eps)
-    return out
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2 * dim] -> silu(gate_up[:, :dim]) * gate_up[:, dim:], [rows, dim]."""
-    _float_rows(gate_up, "silu_and_mul")
-    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, dim, dtype=torch.float32)
-    _fn("silu_and_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), dim, rows, dim)
     return out
 
 

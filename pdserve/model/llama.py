@@ -70,7 +70,7 @@ class AttentionMetadata:
     seqs: tuple[SeqAttention, ...]  # sequences attended one by one (prompt chunks)
     decode: tuple[DecodeGroup, ...] = ()
     paged: PagedDecode | None = None  # set (maybe with no rows) when the C kernel does decode attention
-    row_ops: bool = False  # norms and SwiGLU as C row ops (float32 on CPU)
+    row_ops: bool = False  # norms and RoPE as C row ops (float32 on CPU)
     # Scratch for gathered pages, reused by every layer (None: allocate per gather).
     workspace: torch.Tensor | None = None
 
@@ -233,11 +233,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, row_ops: bool = False) -> torch.Tensor:
-        gate_up = linear(self.w_gate_up, x, row_ops)
-        if row_ops:
-            return linear(self.w_down, cpu_kernels.silu_and_mul(gate_up), row_ops)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        gate, up = linear(self.w_gate_up, x, row_ops).split(self.intermediate_size, dim=-1)
+        return linear(self.w_down, F.silu(gate) * up, row_ops)
 
 
 class RMSNorm(nn.Module):
