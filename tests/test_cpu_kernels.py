@@ -183,7 +183,7 @@ try:
 except ValueError as e:
     print("REFUSED", e)
 engine = LLMEngine(tiny, EngineConfig(num_blocks=64))
-print("BACKEND", engine.runner.attention_backend)
+print("BACKEND", engine.runner.attention_backend.name)
 print("TOKENS", engine.generate([[5, 6, 7] * 11], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
 """
     env = {**os.environ, "PATH": str(tmp_path), "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
