@@ -10,7 +10,6 @@ from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model import kernel_backend
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, RowOps, SeqPages
-from pdserve.model.kernel_backend import CpuKernelBackend, CpuKernelOps
 from pdserve.model.llama import Transformer
 from pdserve.model.torch_backend import TorchBackend, TorchOps
 
@@ -80,8 +79,8 @@ def select_backend(requested: str, kv_cache: KVCache) -> tuple[AttentionBackend,
         return torch_backend
     why_not = kernel_backend.unavailable(kv_cache.tensor)
     if why_not is None:
-        ops = CpuKernelOps() if kv_cache.tensor.dtype == torch.float32 else TorchOps()
-        return CpuKernelBackend(kv_cache.layout), ops
+        ops = kernel_backend.CpuKernelOps() if kv_cache.tensor.dtype == torch.float32 else TorchOps()
+        return kernel_backend.CpuKernelBackend(kv_cache.layout), ops
     if requested == "kernel":
         raise ValueError(f"attention_backend 'kernel' is unavailable: {why_not}")
     log.warning("decode attention falls back to gathered pages + SDPA (slower)", reason=why_not)
