@@ -118,6 +118,8 @@ class TorchBackend:
 
     def prefill(self, kv_cache: torch.Tensor, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+        if not meta.plan.seqs:
+            return
         cache_rows = kv_cache.view(-1, self.block_size * self.head_dim)
         for s in meta.plan.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
@@ -125,6 +127,8 @@ class TorchBackend:
 
     def decode(self, kv_cache: torch.Tensor, layer: int, q: torch.Tensor, out: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> None:
+        if not meta.plan.decode:
+            return
         cache_rows = kv_cache.view(-1, self.block_size * self.head_dim)
         for g in meta.plan.decode:
             k, v = self._gather(cache_rows, g.kv_rows, layer, g.rows.numel())  # [n, kv_heads, pages * bs, D]
