@@ -128,7 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (numbers, not tests)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from pdserve.bench import capacity_bench, compare_bench, engine_bench, handoff_bench, kvstore_bench, serve_bench
+    from pdserve.bench import (
+        capacity_bench,
+        compare_bench,
+        engine_bench,
+        handoff_bench,
+        kvstore_bench,
+        row_ops_bench,
+        serve_bench,
+    )
 
     engine_bench.add_parser(bench_sub)
     kvstore_bench.add_parser(bench_sub)
@@ -136,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_parser(bench_sub)
     compare_bench.add_parser(bench_sub)
     capacity_bench.add_parser(bench_sub)
+    row_ops_bench.add_parser(bench_sub)
     return parser
 
 

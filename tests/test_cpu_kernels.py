@@ -110,10 +110,6 @@ def test_row_ops_match_torch():
     torch.testing.assert_close(cpu_kernels.add_rms_norm(x.clone(), None, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5),
                                atol=1e-6, rtol=1e-5)
 
-    gate_up = torch.randn(7, 2 * 50, generator=gen)
-    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate_up[:, :50]) * gate_up[:, 50:],
-                               atol=1e-6, rtol=1e-5)
-
     rope = RotaryEmbedding(64, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0})
     positions = torch.tensor([0, 1, 17, 4000])
     qkv = torch.randn(4, 8 * 64, generator=gen)
@@ -187,7 +183,7 @@ try:
 except ValueError as e:
     print("REFUSED", e)
 engine = LLMEngine(tiny, EngineConfig(num_blocks=64))
-print("BACKEND", engine.runner.attention_backend)
+print("BACKEND", engine.runner.attention_backend.name)
 print("TOKENS", engine.generate([[5, 6, 7] * 11], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
 """
     env = {**os.environ, "PATH": str(tmp_path), "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}

@@ -11,6 +11,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason
 from pdserve.kv.hashing import block_hashes
+from pdserve.model.attention import SeqPages
 from pdserve.model.loader import load_model
 
 B = 16
@@ -46,7 +47,7 @@ def test_continuous_batching_with_joins_midway(tiny, reference, backend):
     """Both decode attention paths (C kernel in place, gathered pages + SDPA) give each sequence's
     tokens alone, while prompt chunks and decodes share steps."""
     engine = LLMEngine(tiny, EngineConfig(num_blocks=600, max_num_batched_tokens=64, attention_backend=backend))
-    assert engine.runner.attention_backend == backend
+    assert engine.runner.attention_backend.name == backend
     for n in LENGTHS[:3]:
         engine.add_request(f"r{n}", prompt(n), GREEDY)
     out: dict[str, list[int]] = {}
@@ -228,14 +229,14 @@ def test_too_big_for_the_cache_and_duplicate_ids(tiny):
 def test_decode_groups_bound_padding_and_mask_exactly(tiny):
     """Decoding sequences are grouped longest first; a group pads to its longest member only
     while padded pages stay within MAX_PADDING of real pages; padded slots are masked."""
-    runner = LLMEngine(tiny, EngineConfig(num_blocks=64)).runner
-    bs = runner.block_size
+    backend = LLMEngine(tiny, EngineConfig(num_blocks=64, attention_backend="torch")).runner.attention_backend
+    bs = backend.block_size
     # (row, pages, context_len): 10, 9, 8 pages share a group (30 <= 1.25 * 27); the 2-page one
     # would make it 40 > 1.25 * 29, so it opens the next group with 2 and 1 (6 <= 1.25 * 5).
     decoding = [(0, list(range(0, 8)), 8 * bs - 3), (1, list(range(8, 10)), 2 * bs),
                 (2, list(range(10, 20)), 9 * bs + 1), (3, [20], 5),
                 (4, list(range(21, 30)), 9 * bs), (5, list(range(30, 32)), bs + 2)]
-    long, short = runner._decode_groups(decoding)
+    long, short = backend.decode_groups([SeqPages(row, 1, ctx, pages) for row, pages, ctx in decoding])
     assert long.rows.tolist() == [2, 4, 0] and short.rows.tolist() == [1, 5, 3]
     assert long.kv_rows.numel() == 2 * 3 * 2 * 10 and short.kv_rows.numel() == 2 * 3 * 2 * 2
     assert long.valid.shape == (3, 1, 1, 10 * bs) and short.valid.shape == (3, 1, 1, 2 * bs)

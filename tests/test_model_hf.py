@@ -12,8 +12,9 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.layout import KVLayout
-from pdserve.model.llama import AttentionMetadata, SeqAttention
+from pdserve.model.attention import AttentionMetadata, SeqPages
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.torch_backend import TorchBackend, TorchOps
 from tests.hf_checkpoints import make_checkpoint
 
 KINDS = ["llama", "llama_linear", "qwen2", "mistral"]
@@ -25,8 +26,9 @@ def our_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     num_blocks = -(-n // block_size)
     cache = KVCache(KVLayout.for_model(loaded.config, block_size, loaded.dtype), num_blocks)
     pos = torch.arange(n)
-    meta = AttentionMetadata(pos // block_size, pos % block_size,
-                             (SeqAttention(0, n, n, torch.empty(0, dtype=torch.long)),))
+    backend = TorchBackend(cache.layout)
+    meta = AttentionMetadata(backend, TorchOps(), pos // block_size, pos % block_size,
+                             backend.plan([SeqPages(0, n, n, list(range(num_blocks)))]))
     with torch.inference_mode():
         return loaded.model(torch.tensor(token_ids), pos, meta, cache.tensor, pos)
 

@@ -25,8 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     mock_cost: Any = None  # a mock_runner.CostModel: run the mock engine instead of the model
-    # Decode attention: "kernel" reads pages in place (C, built on first use), "torch" gathers
-    # pages and calls SDPA, "auto" takes the kernel where it builds and says so when it does not.
+    # "kernel": the C kernels (built on first use): decode attention reading pages in place, the KV
+    # write and, for float32, the small-batch GEMM, RMSNorm and RoPE. "torch": torch throughout,
+    # pages gathered for SDPA. "auto": the kernels where they build, torch (said so) where not.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-/* Row-wise float32 ops of the decoder layer, each one pass over its rows instead of the five to
+/* Row-wise float32 ops of the decoder layer, each one pass over its rows instead of the four to
  * eight small torch ops (and their temporaries) they replace at decode batch sizes.
  * Rows are contiguous, `*_stride` floats apart; all sums in float32, as torch computes them. */
 #include <math.h>
@@ -23,17 +23,6 @@ void rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_
         const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
-    }
-}
-
-/* out[r] = silu(gate_up[r][:dim]) * gate_up[r][dim:], silu(g) = g / (1 + exp(-g)). */
-void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
-                      int64_t rows, int64_t dim) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * in_stride, *u = g + dim;
-        float *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 

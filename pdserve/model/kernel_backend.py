@@ -1,0 +1,95 @@
+"""Attention and row ops through the C kernels (cpu_kernels), on the CPU.
+
+Decode attention reads each sequence's pages in place: no gather, no padding. Prompt chunks
+attend as in TorchBackend. The row ops are the ones `pdserve bench row-ops` shows paying against
+eager torch and torch.compile: the small-batch GEMM, RMSNorm fused with the residual add, RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.model import cpu_kernels
+from pdserve.model.attention import AttentionMetadata, SeqPages
+from pdserve.model.torch_backend import SeqAttention, TorchBackend, TorchOps
+
+
+def unavailable(cache: torch.Tensor) -> str | None:
+    """None when the kernels serve this cache here; otherwise why not."""
+    if cache.device.type != "cpu":
+        return "the cache is not on the CPU"
+    return cpu_kernels.available(cache.dtype)
+
+
+@dataclass(frozen=True)
+class PagedDecode:
+    """Sequences with exactly one new token, for cpu_kernels.paged_decode."""
+
+    rows: torch.Tensor  # [n] their rows in the flat token dimension
+    block_tables: torch.Tensor  # [n, max_pages] int64 page ids (a row's tail beyond its pages is unread)
+    context_lens: torch.Tensor  # [n] int64 tokens in cache, the new one included
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    seqs: tuple[SeqAttention, ...]  # prompt chunks, attended by TorchBackend.prefill
+    paged: PagedDecode | None  # None: no sequence decodes this step
+
+
+class CpuKernelBackend(TorchBackend):
+    """C KV write and C decode attention; needs a contiguous CPU cache (see `unavailable`)."""
+
+    name = "kernel"
+
+    def plan(self, seqs: list[SeqPages]) -> KernelPlan:
+        decoding = [s for s in seqs if s.q_len == 1]
+        if not decoding:
+            return KernelPlan(self.prompt_chunks(seqs), None)
+        width = max(len(s.block_ids) for s in decoding)
+        # Rows are padded with page 0; the kernel reads only a row's first ceil(context / block) pages.
+        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decoding], dtype=torch.long)
+        paged = PagedDecode(torch.tensor([s.q_start for s in decoding], dtype=torch.long), tables,
+                            torch.tensor([s.context_len for s in decoding], dtype=torch.long))
+        return KernelPlan(self.prompt_chunks(seqs), paged)
+
+    def write_kv(self, kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        cpu_kernels.write_kv(kv_cache, k, v, meta.slot_block_ids, meta.slot_offsets, layer)
+
+    def decode(self, kv_cache: torch.Tensor, layer: int, q: torch.Tensor, out: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> None:
+        p: PagedDecode | None = meta.plan.paged
+        if p is None:
+            return
+        # The kernel reads and writes float32 rows; other dtypes go through a float32 copy.
+        o = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        cpu_kernels.paged_decode(kv_cache, q.float(), o, p.rows, p.block_tables, p.context_lens, layer, scale)
+        if o is not out:
+            out[p.rows] = o[p.rows].to(out.dtype)
+
+
+class CpuKernelOps(TorchOps):
+    """The C row ops, float32 only (the runner picks them for float32 models only). Linears of
+    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), or on CPUs without AVX-512, stay torch's."""
+
+    def __init__(self) -> None:
+        self._small_gemm = cpu_kernels.small_gemm_available()
+
+    def linear(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._small_gemm and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
+            return cpu_kernels.linear(x, mod.weight, mod.bias)
+        return mod(x)
+
+    def rotate(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cpu_kernels.rope_(qk, *cos_sin)
+        return qk
+
+    def add_norm(self, norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        # One C pass, adding in place into the residual stream.
+        if residual is None:
+            return cpu_kernels.add_rms_norm(h, None, norm.weight, norm.eps), h
+        return cpu_kernels.add_rms_norm(residual, h, norm.weight, norm.eps), residual
