@@ -1,4 +1,4 @@
-"""The C kernels (csrc/: decode attention, pointwise ops, small-batch GEMM, page checksums): built on first use,
+"""The C kernels (csrc/: decode attention, pointwise ops, small-batch GEMM): built on first use,
 called through ctypes.
 
 Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
@@ -16,7 +16,7 @@ import torch
 from pdserve.native import NativeUnavailable, build
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("paged_decode.c", "pointwise.c", "small_gemm.c", "checksum.c")]
+           for name in ("paged_decode.c", "pointwise.c", "small_gemm.c")]
 # -ffast-math lets expf vectorize (glibc's libmvec). It is given when compiling only: linked with
 # it, gcc would add crtfastmath.o, which turns on flush-to-zero for the whole process (torch too).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
@@ -46,8 +46,6 @@ def library() -> ctypes.CDLL:
     lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.small_gemm_f32.restype = None
     lib.small_gemm_available.restype = ctypes.c_int
-    lib.page_checksums.argtypes = [ptr, i64, ptr, i64, ptr]
-    lib.page_checksums.restype = None
     return lib
 
 
@@ -185,18 +183,3 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError(f"rope_: cos/sin must be contiguous [{tokens}, 1, {head_dim}]")
     _fn("rope_f32")(qk.data_ptr(), _rows_of(qk, heads * head_dim), cos.data_ptr(), sin.data_ptr(), tokens, heads,
                        head_dim)
-
-
-def page_checksums(pages: torch.Tensor, page_ids: list[int]) -> list[int]:
-    """One int64 per page of `pages` [num_pages, ...] (contiguous, CPU, each page a multiple of 8
-    bytes): the wrapping sum of its 8-byte words, word i times (i + 1) | 1."""
-    page_nbytes = pages[0].numel() * pages.element_size()
-    if not pages.is_contiguous() or pages.device.type != "cpu" or page_nbytes % 8:
-        raise ValueError(f"page_checksums: contiguous CPU pages of a multiple of 8 bytes expected, got "
-                         f"{tuple(pages.shape)} {pages.dtype} on {pages.device}")
-    if any(not 0 <= p < pages.shape[0] for p in page_ids):
-        raise ValueError(f"page_checksums: page ids outside [0, {pages.shape[0]})")
-    ids = torch.tensor(page_ids, dtype=torch.int64)
-    out = torch.empty(len(page_ids), dtype=torch.int64)
-    _fn("page_checksums")(pages.data_ptr(), page_nbytes, ids.data_ptr(), len(page_ids), out.data_ptr())
-    return out.tolist()
