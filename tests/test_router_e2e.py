@@ -299,5 +299,6 @@ def test_prometheus_metrics_endpoint(shared_redis_url, key_prefix):
         assert "pdserve_router_tpot_ms_count 3" in body and "pdserve_router_route_ms_count 3" in body
         assert "pdserve_router_prompt_tokens_total 120" in body
         assert "pdserve_store_up 1" in body and "pdserve_store_bytes_written" in body
+        assert "pdserve_store_corrupt_blocks 0" in body and "pdserve_store_fenced_blocks 0" in body
     finally:
         s.stop()

@@ -61,6 +61,26 @@ def test_a_write_has_landed_when_it_returns_however_many_slices_it_takes(engines
         assert landed == [run] * runs
 
 
+def test_a_long_span_moves_as_slices_side_by_side_and_each_span_is_told_as_it_lands(engines):
+    from pdserve.kvclient.transfer import SLICE_BYTES
+
+    a, b = engines
+    n = 2 * SLICE_BYTES + 4096
+    theirs = torch.randint(0, 256, (n + 8192,), dtype=torch.uint8)
+    ours = torch.zeros(n + 8192, dtype=torch.uint8)
+    a.register(theirs)
+    b.register(ours)
+    at, ot = theirs.data_ptr(), ours.data_ptr()
+    landed: list[Span] = []
+    spans = [Span(ot, at, n), Span(ot + n + 4096, at + n + 4096, 4096)]  # (not adjacent: two spans)
+    assert b.read(a.segment, spans, on_done=landed.append) == 4  # the first as three slices
+    assert torch.equal(ours[:n], theirs[:n]) and torch.equal(ours[n + 4096 : n + 8192], theirs[n + 4096 : n + 8192])
+    assert sorted(landed, key=lambda s: s.local) == spans  # each once, whole
+    ours.fill_(9)
+    assert b.write(a.segment, [Span(ot, at, n)]) == 3
+    assert int((theirs[:n] == 9).sum()) == n
+
+
 def test_a_failed_transfer_raises_with_its_cause(engines):
     a, b = engines
     buf = torch.zeros(1 << 16, dtype=torch.uint8)

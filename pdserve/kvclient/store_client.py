@@ -317,8 +317,17 @@ class StoreClient:
         checksum (empty: every block is good)."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"read: {len(local_addrs)} local addresses for {len(slots)} slots")
-        await self._move(block_spans(local_addrs, slots.addresses, self.block_nbytes), write=False)
-        return await asyncio.to_thread(mismatches, local_addrs, self.block_nbytes, slots.checksums)
+        nbytes = self.block_nbytes
+        where = {a: i for i, a in enumerate(local_addrs)}
+        bad: list[int] = []
+
+        def verify(span: Span) -> None:  # each span as it lands, while the others still move
+            ids = [where[a] for a in range(span.local, span.local + span.nbytes, nbytes)]
+            bad.extend(ids[j] for j in mismatches([local_addrs[i] for i in ids], nbytes,
+                                                  [slots.checksums[i] for i in ids]))
+
+        await self._move(block_spans(local_addrs, slots.addresses, nbytes), write=False, on_done=verify)
+        return sorted(bad)
 
     async def get(self, hashes: Sequence[bytes], local_addrs: Sequence[int], tail_key: str = "",
                   tail_addr: int | None = None, request_id: str = "", lease_ms: int = 0) -> GetResult:
@@ -367,13 +376,14 @@ class StoreClient:
         finally:
             call.cancel()
 
-    async def _move(self, spans: list[Span], write: bool) -> int:
+    async def _move(self, spans: list[Span], write: bool, on_done=None) -> int:
         transfer = self._require_transfer()
         if not self.segment:
             await self.connect()
-        move = transfer.write if write else transfer.read
         try:
-            return await asyncio.to_thread(move, self.segment, spans)
+            if write:
+                return await asyncio.to_thread(transfer.write, self.segment, spans)
+            return await asyncio.to_thread(transfer.read, self.segment, spans, on_done)
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
             raise

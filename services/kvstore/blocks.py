@@ -187,14 +187,18 @@ class BlockManager:
         self._orders[tier].add(b)
         self.index.moved(b.key, tier)
 
-    def _drop(self, b: Block) -> None:
-        """Forget a block that is out of every order, and free its slot."""
+    def _forget(self, b: Block) -> None:
+        """Out of the index: no one finds it by its key again (the Redis index hears of it)."""
         if b.is_tail:
             self._tails.pop(b.key, None)
         elif self._blocks.get(b.key) is b:
             del self._blocks[b.key]
             if b.committed:
                 self.index.dropped(b.key)
+
+    def _drop(self, b: Block) -> None:
+        """Forget a block that is out of every order, and free its slot."""
+        self._forget(b)
         self.tiers[b.tier].allocator.free(b.slot)
 
     # -- pins, commits, use ------------------------------------------------------------------
@@ -255,10 +259,7 @@ class BlockManager:
         until = self.clock() + self.fence_s
         n = 0
         for b in blocks:
-            if b.is_tail:
-                self._tails.pop(b.key, None)
-            elif self._blocks.get(b.key) is b:
-                del self._blocks[b.key]
+            self._forget(b)
             b.detached, b.pins = True, 0
             self._fenced.append((until, b.tier, b.slot))
             n += 1
@@ -290,11 +291,7 @@ class BlockManager:
         self.counters.corrupt += 1
         if b.pins == 0 and not b.is_tail:
             self._orders[b.tier].remove(b)
-        if b.is_tail:
-            self._tails.pop(b.key, None)
-        elif self._blocks.get(b.key) is b:
-            del self._blocks[b.key]
-            self.index.dropped(b.key)
+        self._forget(b)
         b.detached = True
         if b.pins == 0:
             self.tiers[b.tier].allocator.free(b.slot)

@@ -62,4 +62,5 @@ async def store_gauges(address: str) -> dict[str, float]:
     except grpc.aio.AioRpcError:
         return {"store_up": 0}
     return {"store_up": 1, "store_bytes_written": s.bytes_written, "store_bytes_read": s.bytes_read,
-            "store_hit_blocks": s.hits, "store_miss_blocks": s.misses, "store_active_leases": s.active_leases}
+            "store_hit_blocks": s.hits, "store_miss_blocks": s.misses, "store_active_leases": s.active_leases,
+            "store_corrupt_blocks": s.corrupt_blocks, "store_fenced_blocks": s.fenced_blocks}
