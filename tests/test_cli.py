@@ -64,12 +64,14 @@ def test_bench_kvstore_json_format(shared_redis_url):
     doc = json.loads(out.stdout)
     assert [(r["layout"], r["tokens"], r["blocks"]) for r in doc["rows"]] == [
         ("tiny", 64, 4), ("tiny", 1024, 64), ("7b", 64, 4), ("7b", 1024, 64)]
-    assert all(r["checksum_gbps"] > 0 and 0 < r["checksum_share_of_put"] for r in doc["rows"])
+    assert all(r["checksum_gbps"] > 0 and 0 < r["checksum_serial_share_of_put"] for r in doc["rows"])
+    assert all("checksum_cost_of_put" in r and "checksum_cost_of_get" in r for r in doc["rows"])
     assert [(r["tokens"], r["blocks"]) for r in doc["full_store_tiny"]] == [(64, 4), (1024, 64)]
     assert all(r["raw_write_gbps"] > 0 and r["raw_polled_read_gbps"] > 0 for r in doc["rows"])
     assert all(r["allocate_p50_ms"] > 0 for r in doc["full_store_tiny"])
     assert [t["name"] for t in doc["targets"]] == [  # (the 7B-shaped rows' only: tiny rows are reported)
-        "store_put_vs_raw_7b_min_ge1024", "store_get_vs_raw_7b_min_ge1024", "checksum_share_of_put_7b_max"]
+        "store_put_vs_raw_7b_min_ge1024", "store_get_vs_raw_7b_min_ge1024", "checksum_cost_of_put_7b_max",
+        "checksum_cost_of_get_7b_max"]
     for t in doc["targets"]:
         assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
         assert t["met"] == (t["value"] >= t["target"] if t["comparison"] == ">=" else t["value"] <= t["target"])
