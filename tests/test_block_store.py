@@ -325,3 +325,28 @@ def test_the_run_allocator_hands_out_runs_and_merges_what_is_freed():
         a.free(9)
     with pytest.raises(RuntimeError, match="want 2 slots, 1 free"):
         a.allocate(2)
+
+
+def test_a_tail_dropped_as_corrupt_keeps_its_ttl_pin_until_the_ttl_ends_then_frees_its_slot():
+    now = [100.0]
+    store, _ = _store(device=4, dram=1, clock=lambda: now[0])
+    lease, slots = store.allocate_put("w", [_h(1)], b"tail:t", 0, "w")
+    sums = _write(store, slots)
+    store.commit("w", lease.lease_id, [_h(1)], sums[:1], tail=True, tail_checksum=sums[1], tail_ttl_ms=1000)
+    tail = store.blocks.tail(b"tail:t")
+    store.blocks.view(tail)[0] ^= 1
+    assert not store.blocks.verify(tail)
+    store.blocks.detach(tail)  # as GetBytes does with a block that fails
+    assert store.blocks.tail(b"tail:t") is None and tail.pins == 1  # its TTL's pin
+    assert store.get("r", [], b"tail:t", 0, "r") == (None, [], None)  # never served
+    assert store.tiers[DEVICE].allocator.num_free == 2
+    now[0] = 102.0
+    store.reap()
+    assert tail.pins == 0 and store.tiers[DEVICE].allocator.num_free == 3 and not store.tail_ttls
+    # A tail read is read once: the reader's release takes its TTL pin with it.
+    lease, slots = store.allocate_put("w", [], b"tail:u", 0, "w")
+    store.commit("w", lease.lease_id, [], [], tail=True, tail_checksum=_write(store, slots)[0])
+    read, _, tail = store.get("r", [], b"tail:u", 0, "r")
+    assert tail.pins == 2
+    store.release("r", read.lease_id)
+    assert tail.pins == 0 and store.blocks.tail(b"tail:u") is None and not store.tail_ttls

@@ -90,7 +90,11 @@ async def main() -> None:
 async def _reap(store: BlockStore) -> None:
     while True:
         await asyncio.sleep(0.1)
-        lapsed = store.reap()
+        try:
+            lapsed = store.reap()
+        except Exception:  # noqa: BLE001 - a reaper that died would strand every lease after it
+            log.exception("reaping leases failed; trying again")
+            continue
         if lapsed:
             log.info("leases lapsed", count=lapsed)
 

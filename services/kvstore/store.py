@@ -50,7 +50,7 @@ class BlockStore:
         self.block_nbytes = device.block_nbytes
         self.clock = clock
         self.leases = Leases(default_lease_s, clock)
-        self.tail_ttls: dict[bytes, float] = {}  # committed tails pinned by their TTL -> when it ends
+        self.tail_ttls: dict[bytes, tuple[Block, float]] = {}  # committed tails pinned by their TTL, until when
         self.waiting: dict[bytes, list[Watcher]] = {}  # key -> the watchers waiting for its commit
 
     @property
@@ -119,7 +119,7 @@ class BlockStore:
         if tail:
             block = lease.uncommitted.pop(lease.tail_key)
             self.blocks.commit([block], [tail_checksum])
-            self.tail_ttls[lease.tail_key] = self.clock() + self.leases.seconds(tail_ttl_ms)
+            self.tail_ttls[lease.tail_key] = (block, self.clock() + self.leases.seconds(tail_ttl_ms))
             done.append(block)
         self.counters.bytes_written += len(done) * self.block_nbytes
         if lease.hold_id in self.leases:
@@ -243,7 +243,9 @@ class BlockStore:
         self.blocks.unpin(lease.blocks)
         if isinstance(lease, ReadLease) and lease.tail is not None:
             # A per-request tail is read once: its TTL pin goes with its reader's, and so does it.
-            if self.tail_ttls.pop(lease.tail.key, None) is not None:
+            held = self.tail_ttls.get(lease.tail.key)
+            if held is not None and held[0] is lease.tail:
+                del self.tail_ttls[lease.tail.key]
                 self.blocks.unpin([lease.tail])
         return len(lease.blocks), 0
 
@@ -272,9 +274,10 @@ class BlockStore:
         lapsed = self.leases.lapsed(now)
         for lease in lapsed:
             self._end(lease, "lapsed")
-        for key in [k for k, expires in self.tail_ttls.items() if expires < now]:
-            del self.tail_ttls[key]
-            self.blocks.unpin([self.blocks.tail(key)])
+        for key, (tail, expires) in list(self.tail_ttls.items()):
+            if expires < now:  # (a tail dropped as corrupt meanwhile still has this pin: its slot waits for it)
+                del self.tail_ttls[key]
+                self.blocks.unpin([tail])
         self.blocks.reap_fenced()
         return len(lapsed)
 
