@@ -15,13 +15,13 @@ import torch
 from pdserve.engine.config import EngineConfig, Role
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.malloc import keep_freed_memory
-from pdserve.engine.mock_runner import MockRunner, mock_fingerprint
+from pdserve.engine.mock_runner import MockRunner, served_profile
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
 from pdserve.kv.hashing import BlockHash, block_hashes
-from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.kv.layout import HashProfile
 from pdserve.model.loader import LoadedModel
 
 
@@ -66,12 +66,8 @@ class LLMEngine:
         keep_freed_memory()
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        layout = KVLayout.for_model(loaded.config, self.config.block_size, loaded.dtype)
-        fingerprint = loaded.fingerprint
-        if self.config.mock_cost is not None:
-            fingerprint = mock_fingerprint(fingerprint)
-        self.profile = HashProfile(fingerprint, layout)
-        self.kv_cache = KVCache(layout, self.config.num_blocks)
+        self.profile = served_profile(loaded, self.config.block_size, mock=self.config.mock_cost is not None)
+        self.kv_cache = KVCache(self.profile.layout, self.config.num_blocks)
         self.scheduler = Scheduler(self.config, self.profile, loaded.config.eos_token_ids, self.max_model_len)
         if self.config.mock_cost is not None:
             self.runner = MockRunner(self.kv_cache, loaded.config.vocab_size, self.config.mock_cost)

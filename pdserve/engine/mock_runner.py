@@ -11,11 +11,17 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv.layout import HashProfile, KVLayout
+
+if TYPE_CHECKING:
+    from pdserve.model.loader import LoadedModel
+    from pdserve.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -91,3 +97,10 @@ class MockRunner:
 def mock_fingerprint(model_fingerprint: str) -> str:
     """Mock KV is not the model's KV: a distinct profile, so mock and real workers never mix."""
     return "mock-" + hashlib.sha256(("mock:" + model_fingerprint).encode()).hexdigest()[:59]
+
+
+def served_profile(model: ModelSpec | LoadedModel, block_size: int, mock: bool) -> HashProfile:
+    """The hash profile a pool of workers serving `model` shares (the engine, the router and the
+    store each take theirs from here): mock KV has a profile of its own."""
+    fingerprint = mock_fingerprint(model.fingerprint) if mock else model.fingerprint
+    return HashProfile(fingerprint, KVLayout.for_model(model.config, block_size, model.dtype))

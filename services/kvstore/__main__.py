@@ -33,12 +33,10 @@ def hash_profile(cfg: KVStoreConfig) -> HashProfile:
             raise ValueError(f"--kv-layout wants 'layers,kv_heads,block_size,head_dim,dtype', got {cfg.kv_layout!r}")
         layers, heads, block, dim = (int(x) for x in parts[:4])
         return HashProfile(cfg.model_fingerprint, KVLayout(layers, heads, block, dim, parts[4]))
-    from pdserve.engine.mock_runner import mock_fingerprint
+    from pdserve.engine.mock_runner import served_profile
     from pdserve.model.spec import describe
 
-    loaded = describe(cfg.model, parse_dtype(cfg.dtype))  # (no weights)
-    fingerprint = mock_fingerprint(loaded.fingerprint) if cfg.engine == "mock" else loaded.fingerprint
-    return HashProfile(fingerprint, KVLayout.for_model(loaded.config, cfg.block_size, loaded.dtype))
+    return served_profile(describe(cfg.model, parse_dtype(cfg.dtype)), cfg.block_size, mock=cfg.engine == "mock")
 
 
 def device_name(cfg: KVStoreConfig) -> str:

@@ -8,8 +8,7 @@ from pdserve import logs
 from pdserve.cluster import connect
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.keys import RedisKeys
-from pdserve.engine.mock_runner import mock_fingerprint
-from pdserve.kv.layout import HashProfile, KVLayout
+from pdserve.engine.mock_runner import served_profile
 from pdserve.model.config import parse_dtype
 from pdserve.model.spec import describe
 from pdserve.runtime.server import build_server
@@ -29,8 +28,7 @@ async def main() -> None:
     cfg = parse_config(RouterConfig, "python -m services.router")
     pin_cpus(cfg.cpus)
     model = describe(cfg.model, parse_dtype(cfg.dtype))  # (no weights: config, tokenizer, fingerprint)
-    fingerprint = mock_fingerprint(model.fingerprint) if cfg.engine == "mock" else model.fingerprint
-    profile = HashProfile(fingerprint, KVLayout.for_model(model.config, cfg.block_size, model.dtype))
+    profile = served_profile(model, cfg.block_size, mock=cfg.engine == "mock")
     redis = connect(cfg.redis_url, 0.5)
     keys = RedisKeys(cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
