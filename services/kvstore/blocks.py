@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -95,7 +95,7 @@ class BlockManager:
         self._blocks: dict[bytes, Block] = {}
         self._tails: dict[bytes, Block] = {}
         self._orders = {DEVICE: _Order(), DRAM: _Order()}
-        self._fenced: list[tuple[float, str, int]] = []  # (free after, tier, slot), oldest first
+        self._fenced: deque[tuple[float, str, int]] = deque()  # (free after, tier, slot), oldest first
 
     # -- looking -----------------------------------------------------------------------------
     def get(self, key: bytes) -> Block | None:
@@ -103,9 +103,6 @@ class BlockManager:
 
     def tail(self, key: bytes) -> Block | None:
         return self._tails.get(key)
-
-    def __len__(self) -> int:
-        return len(self._blocks) + len(self._tails)
 
     def address(self, b: Block) -> int:
         return self.tiers[b.tier].address(b.slot)
@@ -278,7 +275,7 @@ class BlockManager:
         """Free the quarantined slots whose time is up; returns how many."""
         now, n = self.clock(), 0
         while self._fenced and self._fenced[0][0] <= now:
-            _, tier, slot = self._fenced.pop(0)
+            _, tier, slot = self._fenced.popleft()
             self.tiers[tier].allocator.free(slot)
             n += 1
         return n
