@@ -264,7 +264,7 @@ def test_the_servicer_answers_slots_and_checksums_in_the_wires_codes():
     import asyncio
 
     from pdserve.bench.kvstore_bench import _layouts
-    from pdserve.kvclient.store_client import slots_from_pb
+    from pdserve.kvclient.results import slots_from_pb
     from pdserve.rpc.convert import profile_to_pb
     from pdserve.v1 import kvstore_pb2 as pb
     from services.kvstore.servicer import KVStoreServicer

@@ -13,7 +13,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import InvalidArgument, ResourceExhausted
-from pdserve.kvclient.store_client import WRITE, Allocation
+from pdserve.kvclient.results import WRITE, Allocation
 from pdserve.runtime import telemetry
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.engine_thread import Progress
