@@ -102,3 +102,12 @@ def tiers_in_redis(redis_url: str, key_prefix: str, seed: int, indices: list[int
 
 def tier_stats(stats) -> dict[str, dict]:
     return {t.tier: {"used": t.used_blocks, "pinned": t.pinned_blocks, "evictions": t.evictions} for t in stats.tiers}
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> float:
+    """Poll until `predicate()` holds (failing the test past `timeout_s`); the seconds it took."""
+    start = time.time()
+    while not predicate():
+        assert time.time() - start < timeout_s, "condition not reached in time"
+        time.sleep(0.05)
+    return time.time() - start

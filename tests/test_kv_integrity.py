@@ -5,7 +5,6 @@ transfer engine, real Redis; each test ends with a leak audit."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import grpc
@@ -17,20 +16,13 @@ from pdserve.kvclient.transfer import Span
 from pdserve.rpc.convert import profile_from_pb
 from services.router.dispatch import DispatchError
 from tests.kv_peer import block_data, block_hash
-from tests.kvstore_support import LocalClient, peer, spawn_peer, start_store, tier_stats, transfer, wait_ready
+from tests.kvstore_support import LocalClient, peer, spawn_peer, start_store, tier_stats, transfer, wait_for, wait_ready
 from tests.support.stack import Stack, run, store_stats
 from tests.test_disagg import expected, prompt, run_one
 
 
-def _until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.time() + timeout_s
-    while not predicate():
-        assert time.time() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def _assert_store_clean(c: LocalClient) -> None:
-    _until(lambda: (s := c.stats()).active_leases == 0 and s.fenced_blocks == 0 and s.watchers == 0)
+    wait_for(lambda: (s := c.stats()).active_leases == 0 and s.fenced_blocks == 0 and s.watchers == 0)
     assert all(t["pinned"] == 0 for t in tier_stats(c.stats()).values())
 
 
@@ -44,7 +36,7 @@ def test_a_writer_stalled_past_its_lease_never_gets_its_bytes_served(shared_redi
         c = LocalClient(store.address)
         stale = spawn_peer("stale-put", store.address, "--seed", "50", "--n", "2", "--lease-ms", "300")
         wait_ready(stale)
-        _until(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0)  # lapsed, then unfenced
+        wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0)  # lapsed, then unfenced
         put = c.put(51, [0, 1])  # into the slots the stale writer still holds addresses of
         assert (put.written, put.present) == (2, 0)
         out, err = stale.communicate("go\n", timeout=30)
@@ -72,7 +64,7 @@ def test_a_stalled_writer_inside_the_quarantine_lands_in_fenced_slots_only(share
         c = LocalClient(store.address)
         stale = spawn_peer("stale-put", store.address, "--seed", "52", "--n", "2", "--lease-ms", "300")
         wait_ready(stale)
-        _until(lambda: c.stats().active_leases == 0)
+        wait_for(lambda: c.stats().active_leases == 0)
         assert c.stats().fenced_blocks == 2
         assert c.put(53, [0, 1]).written == 2  # the other two slots
         out, _ = stale.communicate("go\n", timeout=30)
@@ -189,7 +181,7 @@ def test_a_corrupt_store_block_is_recomputed_by_prefill_and_refused_by_decode(st
         s = run(store_stats(stack.store.address))
         return s.active_leases == 0 and s.watchers == 0 and all(t.pinned_blocks == 0 for t in s.tiers)
 
-    _until(clean, 6.0)
+    wait_for(clean, 6.0)
 
 
 async def _info(address: str):

@@ -22,6 +22,7 @@ from tests.kvstore_support import (
     start_store,
     tier_stats,
     tiers_in_redis,
+    wait_for,
     wait_ready,
 )
 
@@ -153,7 +154,7 @@ def test_a_handoff_hold_pins_its_blocks_until_released_or_lapsed(small_store):
     assert pinned() == (2, 2)
     assert c.call(StoreClient.release, failed.lease_id).reclaimed == 1  # fenced, then free
     assert pinned() == (0, 0)
-    _wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
+    wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
     # Nobody releases it: it lapses hold_ms after the last commit.
     lapsing = c.call(StoreClient.allocate, [block_hash(1, 0)], "", "h3", 0, True, 300)
     assert lapsing.hold_lease_id and pinned() == (1, 1)
@@ -186,14 +187,6 @@ def test_pinned_blocks_survive_and_full_store_refuses(small_store):
                 h.wait()
 
 
-def _wait_for(predicate, timeout_s: float) -> float:
-    start = time.time()
-    while not predicate():
-        assert time.time() - start < timeout_s, "condition not reached in time"
-        time.sleep(0.05)
-    return time.time() - start
-
-
 def test_killed_reader_and_writer_leases_lapse(small_store):
     c = LocalClient(small_store.address)
     c.put(5, [0, 1])
@@ -209,7 +202,7 @@ def test_killed_reader_and_writer_leases_lapse(small_store):
     writer.wait()
     # Lease TTL is 1 s here: within TTL + 2 s everything is back to baseline (2 committed, unpinned).
     # The writer's uncommitted slots are fenced a while (300 ms here), then free too.
-    elapsed = _wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0, 3.5)
+    elapsed = wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0, 3.5)
     assert elapsed < 3.5
     assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
     assert peer("get", small_store.address, "--seed", "6", "--n", "1") == {
@@ -307,7 +300,7 @@ def test_redis_down_store_serves_and_index_is_rebuilt(private_redis, key_prefix)
         private_redis.stop()
         c.put(40, [2, 3])
         assert peer("get", store.address, "--seed", "40", "--n", "4")["ok"]
-        _wait_for(lambda: not c.stats().redis_connected, 5)
+        wait_for(lambda: not c.stats().redis_connected, 5)
         private_redis.start()  # same port, empty
         want = {i: "device" for i in range(4)}
         assert tiers_in_redis(private_redis.url, key_prefix, 40, list(range(4)), timeout_s=10, expect=want) == want

@@ -5,7 +5,6 @@ clear status, and the store stays healthy and leaks nothing."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -15,15 +14,7 @@ from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_hash
-from tests.kvstore_support import BLOCK, LocalClient, peer, tier_stats
-
-
-def _wait_for(predicate, timeout_s: float) -> float:
-    start = time.time()
-    while not predicate():
-        assert time.time() - start < timeout_s, "condition not reached in time"
-        time.sleep(0.05)
-    return time.time() - start
+from tests.kvstore_support import BLOCK, LocalClient, peer, tier_stats, wait_for
 
 
 def _code(fn) -> tuple[grpc.StatusCode, str]:
@@ -88,7 +79,7 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
     c.call(StoreClient.release, alloc_ok.lease_id)
 
     assert health(small_store.address) == SERVING
-    _wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
+    wait_for(lambda: c.stats().fenced_blocks == 0, 3.0)
     s = c.stats()
     assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 0, "pinned": 0, "evictions": 0}
     c.put(1, [0, 1])
