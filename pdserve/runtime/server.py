@@ -16,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import logs
-from pdserve.errors import status_for
+from pdserve.errors import InvalidArgument, status_for
 from pdserve.runtime import telemetry
 
 log = logs.get("pdserve.runtime.server")
@@ -36,8 +37,37 @@ def _exit_after(seconds: float, drained: asyncio.Event) -> None:
     os._exit(0 if drained.is_set() else 1)
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A request that failed to parse (invalid UTF-8 in a string field, a truncated message):
+    the handler never sees it; the call ends INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+
+    error: str
+
+
+def _tolerant(deserialize):
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return Undecodable(str(e) or "malformed message")
+
+    return parse
+
+
+def _undecodable(request) -> InvalidArgument | None:
+    if isinstance(request, Undecodable):
+        return InvalidArgument(f"request could not be parsed ({request.error}): string fields must be valid "
+                               "UTF-8")
+    return None
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions raised by handlers into status codes with the exception's message."""
+    """Turns exceptions raised by handlers into status codes with the exception's message, and
+    requests that do not parse into INVALID_ARGUMENT."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
@@ -54,21 +84,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        parse = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_unary(handler.unary_unary, method), parse, handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_unary(_checked_stream(handler.stream_unary), method), parse, handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer,
-                handler.response_serializer)
+                _wrap_stream(handler.unary_stream, method), parse, handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method), handler.request_deserializer,
-            handler.response_serializer)
+            _wrap_stream(handler.stream_stream, method), parse, handler.response_serializer)
 
 
 def refusal(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
@@ -86,9 +113,26 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(*refusal(exc, method))
 
 
+def _checked_stream(fn):
+    """A client-streaming handler whose request messages are checked as they arrive."""
+
+    async def handler(requests, context):
+        async def checked():
+            async for r in requests:
+                if (bad := _undecodable(r)) is not None:
+                    raise bad
+                yield r
+
+        return await fn(checked(), context)
+
+    return handler
+
+
 def _wrap_unary(fn, method: str):
     async def wrapped(request, context):
         try:
+            if (bad := _undecodable(request)) is not None:
+                raise bad
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -104,6 +148,8 @@ def _wrap_stream(fn, method: str):
 
     async def wrapped(request, context):
         try:
+            if (bad := _undecodable(request)) is not None:
+                raise bad
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
