@@ -21,14 +21,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort"}
-_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-}
+_ERRORS = {cls.code: cls for cls in errors.PdserveError.__subclasses__()}  # one typed error per status
 
 
 class Cancelled(errors.PdserveError):

@@ -42,6 +42,10 @@ class DataLoss(PdserveError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class AlreadyExists(PdserveError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class DeadlineExceeded(PdserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

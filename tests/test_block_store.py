@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from pdserve.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from pdserve.kv.checksum import checksum_of
 from services.kvstore.leases import ENDED_REMEMBERED, HoldLease, Leases, ReadLease, WriteLease
 from services.kvstore.memory import TierMemory
@@ -350,3 +350,20 @@ def test_a_tail_dropped_as_corrupt_keeps_its_ttl_pin_until_the_ttl_ends_then_fre
     assert tail.pins == 2
     store.release("r", read.lease_id)
     assert tail.pins == 0 and store.blocks.tail(b"tail:u") is None and not store.tail_ttls
+
+
+def test_one_client_may_hold_only_so_many_leases_and_a_refusal_allocates_nothing():
+    store = BlockStore(TierMemory("device", 4, NBYTES), TierMemory("dram", 4, NBYTES), max_leases_per_client=2)
+    first, _ = store.allocate_put("a", [_h(1)], None, 0, "r1")
+    store.get("a", [_h(9)], None, 0, "r2")  # a miss opens no lease
+    second, _ = store.allocate_put("a", [_h(2)], None, 0, "r2")
+    used = store.tier_stats(DEVICE)["used_blocks"]
+    with pytest.raises(ResourceExhausted, match="client 'a' already holds 2 open leases"):
+        store.allocate_put("a", [_h(3)], None, 0, "r3")
+    with pytest.raises(ResourceExhausted):
+        store.allocate_put("a", [_h(3)], None, 0, "r3", hold_ms=1000)
+    assert store.tier_stats(DEVICE)["used_blocks"] == used == 2
+    store.allocate_put("b", [_h(3)], None, 0, "r4")  # another client's count is its own
+    store.release("a", first.lease_id)
+    store.allocate_put("a", [_h(4)], None, 0, "r5")
+    assert len(store.leases) == 3

@@ -54,9 +54,12 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
     code, msg = _code(lambda: c.call(alloc, block_hashes=block_hash(1, 0) + b"short"))
     assert code == INVALID and "21 bytes is not a whole number of 16-byte hashes (hash 1 has 5 bytes)" in msg
     code, msg = _code(lambda: c.call(alloc, block_hashes=b"".join(block_hash(1, i) for i in range(70_000))))
-    assert code == INVALID and "too many blocks in one request: 70000 > 65536" in msg
+    assert code == INVALID and "too many blocks in one request: 70000 > 16384" in msg
     code, msg = _code(lambda: c.call(alloc, block_hashes=b"".join(block_hash(1, i) for i in range(9))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "9 blocks requested, 8 can be made free" in msg
+    for field in ("lease_ms", "hold_ms"):  # one call may not pin memory for 49 days
+        code, msg = _code(lambda field=field: c.call(alloc, block_hashes=block_hash(1, 0), **{field: 2**32 - 1}))
+        assert code == INVALID and f"{field} 4294967295 is over this store's maximum 300000" in msg
     code, msg = _code(lambda: c.call(alloc, block_hashes=block_hash(1, 0) * 2))
     assert code == INVALID and "repeat" in msg
     assert _code(lambda: c.call(anonymous)) == (INVALID, "name your client: metadata 'pdserve-client-id' is missing")

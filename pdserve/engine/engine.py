@@ -74,6 +74,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.attention_backend)
         self._ids = itertools.count()
+        self.last_batch: list[str] = []
         self.last_progress: dict[str, int] = {}
 
     @property
@@ -103,6 +104,7 @@ class LLMEngine:
 
     def step(self) -> list[TokenEvent]:
         output = self.scheduler.schedule()
+        self.last_batch = [c.seq.request_id for c in output.chunks]  # what a step that raises was running
         if not output.chunks:
             return []
         sampled = self.runner.run(output)

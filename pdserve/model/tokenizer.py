@@ -61,6 +61,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token covers (its vocab entry's length, which for byte-level
+        and SentencePiece vocabularies bounds the text it stands for): a text longer than
+        `n * max_token_chars` has more than n tokens, known without tokenizing it."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
+
+    @classmethod
+    def from_json(cls, data: str) -> Tokenizer:
+        return cls(HFTokenizer.from_str(data))
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

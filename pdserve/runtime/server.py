@@ -45,23 +45,24 @@ class Undecodable:
     error: str
 
 
-def _tolerant(deserialize):
+def _tolerant(deserialize, max_bytes: int | None):
     if deserialize is None:
         return None
 
     def parse(data: bytes):
+        if max_bytes is not None and len(data) > max_bytes:  # refused unparsed: parsing costs the loop
+            return Undecodable(f"it is {len(data)} bytes, over this service's limit of {max_bytes} bytes a request")
         try:
             return deserialize(data)
         except DecodeError as e:
-            return Undecodable(str(e) or "malformed message")
+            return Undecodable(f"{e or 'malformed message'} (string fields must be valid UTF-8)")
 
     return parse
 
 
 def _undecodable(request) -> InvalidArgument | None:
     if isinstance(request, Undecodable):
-        return InvalidArgument(f"request could not be parsed ({request.error}): string fields must be valid "
-                               "UTF-8")
+        return InvalidArgument(f"request refused unparsed: {request.error}")
     return None
 
 
@@ -69,7 +70,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions raised by handlers into status codes with the exception's message, and
     requests that do not parse into INVALID_ARGUMENT."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_request_bytes: int | None = None) -> None:
+        self.max_request_bytes = max_request_bytes
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
 
     async def intercept_service(self, continuation, details):
@@ -82,9 +84,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             wrapped = self._wrapped[method] = self._wrap(handler, method)
         return wrapped
 
-    @staticmethod
-    def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        parse = _tolerant(handler.request_deserializer)
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        parse = _tolerant(handler.request_deserializer, self.max_request_bytes)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method), parse, handler.response_serializer)
@@ -214,12 +215,14 @@ async def build_server(
     grace_s: float = 5.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     also_at: tuple[str, ...] = (),
+    max_request_bytes: int | None = None,
 ) -> ServerHandle:
     """Start a server; `register` adds the servicers and returns their full service names.
-    `also_at`: more addresses to serve the same services at (e.g. "unix-abstract:NAME")."""
+    `also_at`: more addresses to serve the same services at (e.g. "unix-abstract:NAME").
+    `max_request_bytes`: larger requests are refused INVALID_ARGUMENT before they are parsed."""
     telemetry.setup_tracing(name)
     server = grpc.aio.server(
-        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor(max_request_bytes)],
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],

@@ -40,12 +40,14 @@ class WorkerConfig:
     te_host: str = field("127.0.0.1", "address the transfer engine listens on")
     te_protocol: str = field("tcp", "transfer engine protocol: tcp or rdma")
     grace_s: float = field(5.0, "drain period on SIGTERM")
+    step_timeout_s: float = field(60.0, "an engine step running longer than this is stuck: the worker stops "
+                                        "serving and exits non-zero for its supervisor to restart it")
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "mock"):
             raise ValueError(f"engine must be real or mock, got {self.engine!r}")
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "store_timeout_ms",
-                     "lease_ms", "tail_ttl_ms", "prefill_timeout_ms"):
+                     "lease_ms", "tail_ttl_ms", "prefill_timeout_ms", "step_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         parse_cpus(self.cpus)

@@ -20,7 +20,7 @@ from pdserve.errors import DataLoss, InvalidArgument, NotFound, ResourceExhauste
 from pdserve.model.tokenizer import TextStream
 from pdserve.runtime import telemetry
 from pdserve.worker.bootstrap import Worker
-from pdserve.worker.engine_thread import Progress
+from pdserve.worker.engine_thread import Progress, next_event
 
 log = logs.get("decode")
 tracer = telemetry.tracer("pdserve.decode")
@@ -134,7 +134,7 @@ class Decoder:
             span = tracer.start_span("decode", attributes={"request_id": rid})
             try:
                 while True:
-                    item = await stream.get()
+                    item = next_event(await stream.get())
                     if isinstance(item, Progress):
                         continue
                     if item.index < first_index:

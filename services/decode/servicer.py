@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.rpc.convert import finish_to_pb
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -32,6 +34,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         p = request.prefill
         if not request.request_id or request.request_id != p.request_id:
             raise InvalidArgument("FirstToken: request_id must be set and match the prefill response")
+        vocab = self.w.model.config.vocab_size
+        if not 0 <= p.first_token.token_id < vocab or not math.isfinite(p.first_token.logprob):
+            raise InvalidArgument(f"FirstToken: token {p.first_token.token_id} must be in [0, {vocab}) with a finite "
+                                  f"logprob (got {p.first_token.logprob})")
         first = FirstToken(p.first_token.token_id, p.first_token.logprob, list(p.block_hashes), p.kv_hold_lease_id)
         try:
             self.decoder.deliver_first_token(request.request_id, first)

@@ -55,7 +55,8 @@ async def main() -> None:
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     transfer.register(device.buffer)
     transfer.register(dram.buffer)
-    store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000)
+    store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000,
+                       max_lease_s=cfg.max_lease_ms / 1000, max_leases_per_client=cfg.max_leases_per_client)
     index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
     store.index = index
     # (abstract Unix sockets are Linux's; the name is unique to this process)

@@ -27,9 +27,11 @@ class KVStoreConfig:
     dram_bytes: int = field(1024 * MIB, "DRAM tier capacity in bytes")
     device: str = field("auto", "device tier memory: auto (cuda when torch sees a GPU), cuda or host")
     lease_ms: int = field(10_000, "default lease length")
+    max_lease_ms: int = field(300_000, "longest lease, hold or tail TTL one call may ask for (holders renew)")
+    max_leases_per_client: int = field(4096, "open leases one client may hold at once")
     fence_ms: int = field(30_000, "how long the slots of a write lease that ended uncommitted stay quarantined "
                                   "before reuse (a writer still moving bytes into them must have stopped by then)")
-    max_blocks_per_request: int = field(65_536, "hard cap on blocks named by one request")
+    max_blocks_per_request: int = field(16_384, "hard cap on blocks named by one request")
     redis_url: str = field("redis://127.0.0.1:6379/0", "Redis for the prefix index and hit counters")
     key_prefix: str = field("pdserve", "prefix of every Redis key")
     te_host: str = field("127.0.0.1", "address the transfer engine listens on")
@@ -44,8 +46,10 @@ class KVStoreConfig:
             raise ValueError(f"device must be auto, cuda or host, got {self.device!r}")
         if bool(self.kv_layout) != bool(self.model_fingerprint):
             raise ValueError("--kv-layout and --model-fingerprint go together")
-        if self.lease_ms <= 0:
-            raise ValueError("lease_ms must be positive")
+        if not 0 < self.lease_ms <= self.max_lease_ms:
+            raise ValueError("lease_ms must be positive and at most max_lease_ms")
+        if self.max_leases_per_client <= 0:
+            raise ValueError("max_leases_per_client must be positive")
         if self.fence_ms < 0:
             raise ValueError("fence_ms must not be negative")
         parse_cpus(self.cpus)

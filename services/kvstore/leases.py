@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.errors import FailedPrecondition, NotFound, PermissionDenied
+from pdserve.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.kvstore.blocks import Block
 
 ENDED_REMEMBERED = 4096
@@ -60,10 +60,14 @@ class Watcher:
 class Leases:
     """Owns the open leases of one store, by id, and the memory of recently ended ones."""
 
-    def __init__(self, default_s: float, clock: Callable[[], float]):
+    def __init__(self, default_s: float, clock: Callable[[], float], max_s: float = 300.0,
+                 max_per_owner: int = 4096):
         self.default_s = default_s
+        self.max_s = max_s
+        self.max_per_owner = max_per_owner
         self.clock = clock
         self._open: dict[str, Lease] = {}
+        self._per_owner: Counter[str] = Counter()  # open leases by owner (a caller's bound)
         self._ended: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
 
     def __len__(self) -> int:
@@ -72,13 +76,29 @@ class Leases:
     def __contains__(self, lease_id: str) -> bool:
         return lease_id in self._open
 
-    def seconds(self, lease_ms: int) -> float:
-        """A requested length; 0 asks for the store's default."""
+    def seconds(self, lease_ms: int, what: str = "lease_ms") -> float:
+        """A requested length; 0 asks for the store's default. Bounded, so that no one call can
+        hold memory for long: a holder that needs longer renews."""
+        if lease_ms > self.max_s * 1000:
+            raise InvalidArgument(f"{what} {lease_ms} is over this store's maximum {int(self.max_s * 1000)}: "
+                                  "renew the lease instead")
         return lease_ms / 1000 if lease_ms > 0 else self.default_s
 
+    def admit(self, owner: str, count: int = 1, **lengths_ms: int) -> None:
+        """Refuse, before anything is allocated, what `open` would refuse: too long a lease, or
+        one more lease than `owner` may hold."""
+        for what, ms in lengths_ms.items():
+            self.seconds(ms, what)
+        if self._per_owner[owner] + count > self.max_per_owner:
+            raise ResourceExhausted(f"client {owner!r} already holds {self._per_owner[owner]} open leases, this "
+                                    "store's limit per client: release some first")
+
     def open(self, kind: type[Lease], owner: str, lease_ms: int, request_id: str, **fields) -> Lease:
-        lease = kind(secrets.token_hex(16), owner, request_id, self.clock() + self.seconds(lease_ms), **fields)
+        self.admit(owner, lease_ms=lease_ms)
+        seconds = self.seconds(lease_ms)
+        lease = kind(secrets.token_hex(16), owner, request_id, self.clock() + seconds, **fields)
         self._open[lease.lease_id] = lease
+        self._per_owner[owner] += 1
         return lease
 
     def find(self, lease_id: str, owner: str | None, kind: type[Lease] | tuple[type[Lease], ...] = Lease) -> Lease:
@@ -97,7 +117,10 @@ class Leases:
         return lease
 
     def end(self, lease: Lease, how: str) -> None:
-        self._open.pop(lease.lease_id, None)
+        if self._open.pop(lease.lease_id, None) is not None:
+            self._per_owner[lease.owner] -= 1
+            if not self._per_owner[lease.owner]:
+                del self._per_owner[lease.owner]
         self._ended[lease.lease_id] = how
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)

@@ -43,13 +43,14 @@ class BlockStore:
     its blocks are `self.blocks`'s."""
 
     def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
-                 index: IndexSink | None = None, clock=time.monotonic, fence_s: float = 30.0):
+                 index: IndexSink | None = None, clock=time.monotonic, fence_s: float = 30.0,
+                 max_lease_s: float = 300.0, max_leases_per_client: int = 4096):
         self.counters = Counters()
         self.blocks = BlockManager(device, dram, index or NullIndexSink(), self.counters, fence_s, clock)
         self.tiers = self.blocks.tiers
         self.block_nbytes = device.block_nbytes
         self.clock = clock
-        self.leases = Leases(default_lease_s, clock)
+        self.leases = Leases(default_lease_s, clock, max_lease_s, max_leases_per_client)
         self.tail_ttls: dict[bytes, tuple[Block, float]] = {}  # committed tails pinned by their TTL, until when
         self.waiting: dict[bytes, list[Watcher]] = {}  # key -> the watchers waiting for its commit
 
@@ -71,6 +72,7 @@ class BlockStore:
         (a handoff): what is present or written here stays pinned under a hold lease until it is
         released or lapses, hold_ms after the put's last commit."""
         _no_repeats(hashes, "put")
+        self.leases.admit(owner, 1 + (hold_ms > 0), lease_ms=lease_ms, hold_ms=hold_ms)
         blocks = self.blocks
         if tail_key is not None and blocks.tail(tail_key) is not None:
             raise InvalidArgument(f"tail key {tail_key.decode(errors='replace')!r} is already in use")
@@ -108,6 +110,7 @@ class BlockStore:
         if len(checksums) != len(hashes):
             raise InvalidArgument(f"commit: {len(checksums)} checksums for {len(hashes)} blocks")
         _no_repeats(hashes, "commit")
+        ttl_s = self.leases.seconds(tail_ttl_ms, "tail_ttl_ms")
         for h in hashes:
             if h not in lease.uncommitted:
                 why = "was never part of it" if h not in lease.named else "is not one it writes, or is committed"
@@ -119,7 +122,7 @@ class BlockStore:
         if tail:
             block = lease.uncommitted.pop(lease.tail_key)
             self.blocks.commit([block], [tail_checksum])
-            self.tail_ttls[lease.tail_key] = (block, self.clock() + self.leases.seconds(tail_ttl_ms))
+            self.tail_ttls[lease.tail_key] = (block, self.clock() + ttl_s)
             done.append(block)
         self.counters.bytes_written += len(done) * self.block_nbytes
         if lease.hold_id in self.leases:

@@ -16,7 +16,7 @@ from pdserve.errors import InvalidArgument, ResourceExhausted
 from pdserve.kvclient.results import WRITE, Allocation
 from pdserve.runtime import telemetry
 from pdserve.worker.bootstrap import Worker
-from pdserve.worker.engine_thread import Progress
+from pdserve.worker.engine_thread import Progress, next_event
 
 log = logs.get("prefill")
 tracer = telemetry.tracer("pdserve.prefill")
@@ -98,7 +98,7 @@ class Prefiller:
             pages = res.block_table[: n_full + (1 if tail_key else 0)]
             shipped, write_s = 0, 0.0
             while True:
-                item = await stream.get()
+                item = next_event(await stream.get())
                 if isinstance(item, Progress):
                     full = min(item.num_computed_tokens // bs, n_full)
                     if full > shipped:

@@ -46,7 +46,8 @@ async def main() -> None:
     # Accept messages well past our own prompt limit, so an oversized prompt gets a clear
     # INVALID_ARGUMENT from validation instead of the transport's bare RESOURCE_EXHAUSTED.
     handle = await build_server("router", register, cfg.host, cfg.port, cfg.grace_s,
-                                max_message_bytes=4 * cfg.max_prompt_bytes + (1 << 20))
+                                max_message_bytes=4 * cfg.max_prompt_bytes + (1 << 20),
+                                max_request_bytes=router.encoder.max_request_bytes)
     stopped = handle.install_signal_handlers()
     await pool.refresh()
     pool.start()
@@ -58,6 +59,7 @@ async def main() -> None:
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
+    router.encoder.close()
     try:
         await asyncio.wait_for(pool.stop(), timeout=2.0)
         if mirror is not None:

@@ -14,7 +14,7 @@ from pdserve.cluster import REDIS_DOWN, Redis
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.prefix_index import PrefixHits, PrefixIndex
 from pdserve.engine.sampling import SamplingParams
-from pdserve.errors import InvalidArgument, ResourceExhausted
+from pdserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
@@ -25,6 +25,7 @@ from services.router.config import RouterConfig
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
+from services.router.prompt_encoder import PromptEncoder
 from services.router.recent import RecentRoutes
 from services.router.workers import WorkerPool, WorkerView
 
@@ -82,6 +83,8 @@ class Router:
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
         self.max_prompt = cfg.max_prompt_tokens or max_model_len
+        self.encoder = PromptEncoder(tokenizer, self.max_prompt, cfg.max_prompt_bytes)
+        self.active: set[str] = set()  # request ids in flight here (a duplicate is refused)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.index = PrefixIndex(redis, pool.keys)
@@ -93,12 +96,9 @@ class Router:
         self.metrics = metrics
 
     # -- validation (never touches a worker) -----------------------------------------------
-    def prompt_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+    async def prompt_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
         if text is not None:
-            if len(text) > self.cfg.max_prompt_bytes or len(text.encode()) > self.cfg.max_prompt_bytes:
-                raise InvalidArgument(f"prompt text is over {self.cfg.max_prompt_bytes} bytes, this deployment's "
-                                      "limit")
-            ids = self.tokenizer.encode(text)
+            ids = await self.encoder.encode(text)
         else:
             ids = list(token_ids or [])
         if not ids:
@@ -182,6 +182,17 @@ class Router:
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[
             TokenOut | Summary]:
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self.active:
+            raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
+        self.active.add(request_id)
+        try:
+            async for item in self._generate(request_id, ids, params):
+                yield item
+        finally:
+            self.active.discard(request_id)
+
+    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[
+            TokenOut | Summary]:
         t0 = time.perf_counter()
         with tracer.start_as_current_span("route", attributes={"request_id": request_id,
                                                                "prompt_tokens": len(ids)}) as span:

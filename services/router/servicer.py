@@ -14,12 +14,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.router = router
         self.status = status
 
-    def _request(self, request):
+    async def _request(self, request):
         logs.bind_request_id(request.request_id)
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt is empty: give text or token_ids")
-        ids = self.router.prompt_ids(request.text if which == "text" else None,
+        ids = await self.router.prompt_ids(request.text if which == "text" else None,  # (read once: a copy)
                                      list(request.token_ids.ids) if which == "token_ids" else None)
         if not request.HasField("sampling") or request.sampling.max_tokens == 0:
             raise InvalidArgument("max_tokens must be >= 1")
@@ -30,7 +30,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return ids, self.router.sampling(params, len(ids))
 
     async def Generate(self, request, context):
-        ids, params = self._request(request)
+        ids, params = await self._request(request)
         async for item in self.router.generate(request.request_id, ids, params):
             if isinstance(item, TokenOut):
                 yield router_pb2.GenerateResponse(token=_token_pb(item))
@@ -38,7 +38,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield router_pb2.GenerateResponse(summary=_summary_pb(item))
 
     async def GenerateUnary(self, request, context):
-        ids, params = self._request(request)
+        ids, params = await self._request(request)
         tokens, summary = [], None
         async for item in self.router.generate(request.request_id, ids, params):
             if isinstance(item, TokenOut):

@@ -69,6 +69,16 @@ class Stack:
             p.stop()
 
 
+def routed_stack(redis_url: str, num_prefill: int, num_decode: int) -> Stack:
+    """A whole stack behind a router, its pool healthy, under a key prefix of its own."""
+    import uuid
+
+    s = Stack(redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(num_prefill=num_prefill, num_decode=num_decode)
+    s.start_router()
+    s.wait_pool(num_prefill + num_decode)
+    return s
+
+
 def stubs(address: str, kind: str):
     channel = grpc.aio.insecure_channel(address)
     cls = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
