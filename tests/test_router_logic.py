@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pdserve.engine.sampling import SamplingParams
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, estimate_ttft_ms
 from services.router.recent import RecentRoutes
 
@@ -83,17 +84,16 @@ def test_ties_rotate_over_the_pool_so_every_cache_fills():
     assert round(coef.prefill_ms_per_token, 6) == round(0.1 + 0.2 * (0.5 - 0.1), 6)
 
 
-def test_decode_waits_for_a_queued_prefill_as_long_as_it_was_routed_to():
+def test_a_request_without_a_client_deadline_gets_one_sized_to_its_work():
     from types import SimpleNamespace
 
     from services.router.config import RouterConfig
-    from services.router.router import Route, Router
+    from services.router.router import Router
 
-    router = SimpleNamespace(cfg=RouterConfig(prefill_timeout_ms=4000))  # the method reads cfg only
-    idle = Route(None, None, "cache_aware", 0, 0, estimated_ttft_ms=120.0, route_ms=0.5)
-    queued = Route(None, None, "cache_aware", 0, 0, estimated_ttft_ms=9000.0, route_ms=0.5)
-    assert Router.prefill_silence_ms(router, idle) == 4240
-    assert Router.prefill_silence_ms(router, queued) == 22000
+    router = SimpleNamespace(cfg=RouterConfig())  # the method reads cfg only
+    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), None) == 30 + 5 + 25
+    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), 2.5) == 2.5  # the client's own
+    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), -1.0) == 0.001  # already past
 
 
 def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared_redis_url, key_prefix):

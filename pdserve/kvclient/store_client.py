@@ -101,9 +101,19 @@ class StoreClient:
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             if not (retry and e.code() == grpc.StatusCode.UNAVAILABLE and self.address_used != self.target):
-                raise
-        await self.connect()
+                raise self._named(e) from None
+        try:
+            await self.connect()
+        except grpc.aio.AioRpcError as e:
+            raise self._named(e) from None
         return await self._call(method, request, retry=False)
+
+    def _named(self, e: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+        """The error, its details saying it was the store that did not answer, and where."""
+        if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return e
+        return grpc.aio.AioRpcError(e.code(), e.initial_metadata(), e.trailing_metadata(),
+                                    f"kvstore at {self.target} did not answer ({e.code().name}: {e.details()})")
 
     async def _close_channels(self) -> None:
         channels, self._channels, self._stub = self._channels, [], None

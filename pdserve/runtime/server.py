@@ -102,12 +102,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 def refusal(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a handler's exception ends its call with, logged (a bug with its
     traceback, a refusal as information)."""
+    if isinstance(exc, grpc.aio.AioRpcError):  # a call this service made failed: pass its status on
+        return _passed_on(exc)
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("handler failed", method=method)
     else:
         log.info("request refused", method=method, code=code.name, message=str(exc))
     return code, str(exc) or type(exc).__name__
+
+
+def _passed_on(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The status of a downstream call that failed: unreachable or too slow reads UNAVAILABLE
+    (retryable, with the downstream's words), never INTERNAL with the error's repr."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        log.warning("a service this call needs failed", code=code.name, message=details)
+        return grpc.StatusCode.UNAVAILABLE, f"a service this request needs did not answer ({details}); retry shortly"
+    log.info("request refused downstream", code=code.name, message=details)
+    return code, details
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:

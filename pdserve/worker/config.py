@@ -27,7 +27,8 @@ class WorkerConfig:
     mock_cost: str = field("", "mock engine cost model: JSON file or inline JSON (default: fitted to tiny here)")
     mock_scale: float = field(1.0, "multiply every mock cost by this (e.g. to mimic a larger model)")
     store: str = field("127.0.0.1:50051", "kvstore address")
-    store_timeout_ms: int = field(5000, "deadline of each store call")
+    store_timeout_ms: int = field(2000, "deadline of each store call (small calls: a stalled store fails requests "
+                                        "fast)")
     lease_ms: int = field(10_000, "store lease length for this worker's reads and writes")
     tail_ttl_ms: int = field(30_000, "how long a request's handoff waits in the store for its decode: the "
                                          "partial last block, and the hold on its full blocks")

@@ -24,7 +24,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                      engine.max_model_len)
         if request.mode == decode_pb2.DECODE_MODE_UNSPECIFIED:
             raise InvalidArgument("mode is required: DISAGGREGATED or COLOCATED")
-        timeout_s = (request.prefill_timeout_ms or self.w.cfg.prefill_timeout_ms) / 1000
+        # Wait for prefill as long as the caller's deadline allows (the router sets the request's).
+        remaining = context.time_remaining()
+        timeout_s = (request.prefill_timeout_ms / 1000 if request.prefill_timeout_ms else
+                     remaining if remaining is not None else self.w.cfg.prefill_timeout_ms / 1000)
         req = DecodeInput(request.request_id, ids, params, request.mode == decode_pb2.DECODE_MODE_COLOCATED,
                           request.tail_key, timeout_s)
         async for item in self.decoder.generate(req):

@@ -30,8 +30,10 @@ class RouterConfig:
     index_mirror: bool = field(True, "keep the prefix index in memory, fed by Redis's change events (off: ask "
                                      "Redis on every request)")
     refresh_s: float = field(0.25, "how often the worker registry is re-read and health-checked")
-    call_timeout_s: float = field(600.0, "deadline of each request's calls to the workers")
-    prefill_timeout_ms: int = field(4000, "decode gives up when prefill is silent this long")
+    request_timeout_s: float = field(30.0, "deadline of a request whose client sets none: this, plus the two "
+                                           "below per prompt and per output token")
+    timeout_ms_per_prompt_token: float = field(5.0, "added to the default deadline per prompt token")
+    timeout_ms_per_output_token: float = field(250.0, "added to the default deadline per max_tokens")
     store: str = field("", "kvstore address, for its stats in Status (optional)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")
@@ -40,6 +42,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if min(self.request_timeout_s, self.timeout_ms_per_prompt_token, self.timeout_ms_per_output_token) < 0:
+            raise ValueError("request timeouts must not be negative")
         if self.max_tokens_cap <= 0:
             raise ValueError("max_tokens_cap must be positive")
         parse_cpus(self.cpus)

@@ -18,6 +18,8 @@ import grpc
 from pdserve.errors import PdserveError
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+FIRST_TOKEN_TIMEOUT_S = 10.0  # one small unary call to a worker already streaming this request
+
 
 @dataclass(frozen=True)
 class FirstFromPrefill:
@@ -60,14 +62,14 @@ async def disaggregated(
     prompt_ids: list[int],
     sampling: common_pb2.SamplingParams,
     profile: common_pb2.HashProfile | None = None,
-    timeout_s: float = 600.0,
-    prefill_timeout_ms: int = 0,
+    timeout_s: float = 60.0,
 ) -> AsyncIterator[FirstFromPrefill | common_pb2.TokenEvent | Finished]:
-    """Yields prefill's first token, then decode's tokens (index >= 1), then `Finished`."""
+    """Yields prefill's first token, then decode's tokens (index >= 1), then `Finished`. Both
+    calls carry the request's deadline: decode waits for prefill as long as it allows."""
+    deadline = time.monotonic() + timeout_s
     decode_call = decode.Generate(decode_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-        mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile, prefill_timeout_ms=prefill_timeout_ms),
-        timeout=timeout_s)
+        mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile), timeout=timeout_s)
     prefill_call = None
     try:
         try:
@@ -79,7 +81,7 @@ async def disaggregated(
         admitted = first_event.admitted
         prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile),
-            timeout=timeout_s)
+            timeout=max(deadline - time.monotonic(), 0.001))
         try:
             response = await prefill_call
         except grpc.aio.AioRpcError as e:
@@ -91,7 +93,7 @@ async def disaggregated(
             return
         try:
             await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response),
-                                    timeout=10)
+                                    timeout=min(FIRST_TOKEN_TIMEOUT_S, max(deadline - time.monotonic(), 0.001)))
         except grpc.aio.AioRpcError as e:
             raise await _decode_failure(decode_call, e) from e
         try:

@@ -179,20 +179,22 @@ class Router:
             return PrefixHits({}, 0)
 
     # -- one request -----------------------------------------------------------------------
-    async def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[
-            TokenOut | Summary]:
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
+                       client_deadline_s: float | None = None) -> AsyncIterator[TokenOut | Summary]:
+        """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
         self.active.add(request_id)
         try:
-            async for item in self._generate(request_id, ids, params):
+            async for item in self._generate(request_id, ids, params,
+                                             self.deadline_s(len(ids), params, client_deadline_s)):
                 yield item
         finally:
             self.active.discard(request_id)
 
-    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[
-            TokenOut | Summary]:
+    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
+                        timeout_s: float) -> AsyncIterator[TokenOut | Summary]:
         t0 = time.perf_counter()
         with tracer.start_as_current_span("route", attributes={"request_id": request_id,
                                                                "prompt_tokens": len(ids)}) as span:
@@ -212,7 +214,7 @@ class Router:
             route.prefill.inflight_tokens += queued
         last = None
         try:
-            async for item in self._dispatch(request_id, ids, params, route, summary):
+            async for item in self._dispatch(request_id, ids, params, route, summary, timeout_s):
                 now = time.perf_counter()
                 if item.index == 0 and prefill_pending:
                     route.prefill.inflight_tokens -= queued
@@ -247,20 +249,23 @@ class Router:
             self.metrics.observe("tpot_ms", tpot)
         yield summary
 
-    def prefill_silence_ms(self, route: Route) -> int:
-        """How long decode waits for prefill's first sign of life before giving the request up.
-        A prompt queued behind others is silent until its turn: the wait it was routed with
-        (estimated queue + compute, twice over) comes on top of the configured silence."""
-        return self.cfg.prefill_timeout_ms + int(2 * route.estimated_ttft_ms)
+    def deadline_s(self, prompt_tokens: int, params: SamplingParams, client_s: float | None) -> float:
+        """Seconds the request may take at every hop: the client's deadline when it set one,
+        else a default sized to the work."""
+        if client_s is not None:
+            return max(client_s, 0.001)
+        c = self.cfg
+        return (c.request_timeout_s + prompt_tokens * c.timeout_ms_per_prompt_token / 1e3
+                + params.max_tokens * c.timeout_ms_per_output_token / 1e3)
 
-    async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary):
+    async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary, timeout_s: float):
         sampling = sampling_to_pb(params)
         if route.prefill is None:
-            async for item in self._colocated(request_id, ids, sampling, route, summary):
+            async for item in self._colocated(request_id, ids, sampling, route, summary, timeout_s):
                 yield item
             return
         async for ev in disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                      self.profile_pb, self.cfg.call_timeout_s, self.prefill_silence_ms(route)):
+                                      self.profile_pb, timeout_s):
             if isinstance(ev, FirstFromPrefill):
                 await self._account(ev.response, route, len(ids))
                 u = ev.response.usage
@@ -276,10 +281,10 @@ class Router:
                 summary.completion_tokens = ev.index + 1
                 yield ev
 
-    async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary):
+    async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary, timeout_s: float):
         call = route.decode.stub.Generate(decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sampling, profile=self.profile_pb,
-            mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=self.cfg.call_timeout_s)
+            mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=timeout_s)
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
                 if event.HasField("token"):

@@ -31,7 +31,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         ids, params = await self._request(request)
-        async for item in self.router.generate(request.request_id, ids, params):
+        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining()):
             if isinstance(item, TokenOut):
                 yield router_pb2.GenerateResponse(token=_token_pb(item))
             else:
@@ -40,7 +40,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GenerateUnary(self, request, context):
         ids, params = await self._request(request)
         tokens, summary = [], None
-        async for item in self.router.generate(request.request_id, ids, params):
+        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining()):
             if isinstance(item, TokenOut):
                 tokens.append(_token_pb(item))
             else:

@@ -148,35 +148,45 @@ with Client(sys.argv[1]) as c:
 """
 
 
+def _stream_gaps(address: str, prompt: list[int], on_token=None) -> tuple[list[int], list[float]]:
+    tokens: list[int] = []
+    gaps: list[float] = []
+    with Client(address) as c:
+        last = None
+        for ev in c.stream(prompt, max_tokens=150, ignore_eos=True):
+            now = time.perf_counter()
+            if last is not None and len(tokens) > 5:
+                gaps.append(now - last)
+            last = now
+            tokens.append(ev.token_id)
+            if on_token is not None:
+                on_token(len(tokens))
+    return tokens, gaps
+
+
 def test_a_15mb_prompt_is_refused_at_once_and_other_streams_do_not_stall(stack, engine):
     import subprocess
     import sys
 
     from tests.support.procs import ROOT
 
-    gaps: list[float] = []
-    got: list[int] = []
     big = subprocess.Popen([sys.executable, "-c", _BIG_PROMPT, stack.router.address], cwd=ROOT,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert big.stdout.readline() == "ready\n"  # started, imported: only the request itself overlaps
-    sent = False
-    with Client(stack.router.address) as c:
-        last = None
-        for ev in c.stream(ids(30, 3), max_tokens=150, ignore_eos=True):
-            now = time.perf_counter()
-            if last is not None and sent:
-                gaps.append(now - last)
-            last = now
-            got.append(ev.token_id)
-            if len(got) == 5:  # the big prompt arrives while this stream runs (from its own process)
-                big.stdin.write("go\n")
-                big.stdin.flush()
-                sent = True
+    _, quiet = _stream_gaps(stack.router.address, ids(30, 3))  # the same stream alone, this run's noise
+
+    def send(n: int) -> None:
+        if n == 5:  # the big prompt arrives while the stream runs (from its own process)
+            big.stdin.write("go\n")
+            big.stdin.flush()
+
+    got, gaps = _stream_gaps(stack.router.address, ids(30, 3), send)
     out = big.communicate(timeout=60)[0].split(maxsplit=2)
     assert out[0] == "InvalidArgument" and "over this service's limit" in out[2], out
     assert float(out[1]) < 2.0  # moving 15 MB over loopback included
     assert got == expected(engine, ids(30, 3), 150)
-    assert max(gaps) < 0.1, f"another stream stalled {max(gaps) * 1e3:.0f} ms"
+    # Under 100 ms, or (on a machine too busy for that) within twice what the stream alone saw.
+    assert max(gaps) < max(0.1, 2 * max(quiet)), f"stalled {max(gaps) * 1e3:.0f} ms, alone {max(quiet) * 1e3:.0f}"
     _healthy_and_clean(stack, engine)
 
 
