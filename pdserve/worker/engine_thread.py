@@ -108,8 +108,8 @@ class EngineThread:
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work())
+            self.load = self.engine.load()  # before the step too: a long one must not hide its work
             if self._stopped.is_set() or not self.engine.has_work():
-                self.load = self.engine.load()
                 continue
             self.step_started = time.monotonic()
             try:

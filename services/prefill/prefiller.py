@@ -12,11 +12,13 @@ from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import OutOfPagesError
 from pdserve.engine.sequence import FinishReason, TokenEvent
-from pdserve.errors import InvalidArgument, ResourceExhausted
-from pdserve.kvclient.results import WRITE, Allocation
+from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pdserve.kvclient.results import PENDING, WRITE, Allocation
 from pdserve.runtime import telemetry
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.engine_thread import Progress, next_event
+
+SETTLE_POLL_S = 0.05  # how often blocks another writer is putting are looked at again
 
 log = logs.get("prefill")
 tracer = telemetry.tracer("pdserve.prefill")
@@ -110,6 +112,7 @@ class Prefiller:
             t_first = time.perf_counter()
             await self._ship(alloc, pages, shipped, len(pages))
             await w.store.finish(alloc)  # every commit answered: refused ones fail the request
+            await self._settle_pending(rid, alloc, pages)
             exposed_s = time.perf_counter() - t_first
             alloc = None  # fully committed: the lease is closed
             await w.engine.call(lambda e: e.release(rid))
@@ -137,6 +140,33 @@ class Prefiller:
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
                         "tail_ms": (done - t_first) * 1e3,
                         "total_ms": (done - t0) * 1e3})
+
+    async def _settle_pending(self, rid: str, alloc: Allocation, pages: list[int]) -> None:
+        """Blocks another writer was putting when we allocated (PENDING) must be committed for
+        our reader before it is told they are there. Wait for that writer; the blocks of one
+        that gave up (or died: its lease lapsed) are put again here, from our own pages, which
+        hold every block of this prompt until we release them."""
+        pending = [i for i, state in enumerate(alloc.slots.states[: len(alloc.hashes)]) if state == PENDING]
+        if not pending:
+            return
+        store, lease_ms = self.w.store, self.w.cfg.lease_ms
+        give_up = time.monotonic() + 3 * lease_ms / 1000  # a live writer renews; a dead one lapses within one
+        while True:
+            again = await store.allocate([alloc.hashes[i] for i in pending], "", rid, lease_ms,
+                                         writer_keeps_copy=True)
+            try:
+                await store.ship(again, 0, len(pending), self.w.pages.of([pages[i] for i in pending]))
+            except BaseException:
+                if WRITE in again.slots.states:
+                    await asyncio.shield(store._release_quietly(again.lease_id))
+                raise
+            pending = [i for i, state in zip(pending, again.slots.states, strict=True) if state == PENDING]
+            if not pending:
+                return
+            if time.monotonic() > give_up:
+                raise Unavailable(f"{len(pending)} KV blocks of request {rid!r} stayed in another writer's hands past "
+                                  f"{3 * lease_ms} ms; retry the request")
+            await asyncio.sleep(SETTLE_POLL_S)
 
     async def _load_from_store(self, rid: str, hashes: list[bytes], table: list[int], n_local: int,
                                loadable: int) -> int:

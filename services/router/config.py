@@ -34,6 +34,8 @@ class RouterConfig:
                                            "below per prompt and per output token")
     timeout_ms_per_prompt_token: float = field(5.0, "added to the default deadline per prompt token")
     timeout_ms_per_output_token: float = field(250.0, "added to the default deadline per max_tokens")
+    prefill_retries: int = field(1, "times a prefill that fails before the first token is tried on another "
+                                    "prefill worker")
     store: str = field("", "kvstore address, for its stats in Status (optional)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")

@@ -34,13 +34,16 @@ class Finished:
 
 
 class DispatchError(PdserveError):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    """A worker's call failed; `side` says whose ("prefill" or "decode")."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, side: str = ""):
         super().__init__(message)
         self.code = code
+        self.side = side or message.split(":", 1)[0]
 
 
 def _error(side: str, e: grpc.aio.AioRpcError) -> DispatchError:
-    return DispatchError(e.code(), f"{side}: {e.details()}")
+    return DispatchError(e.code(), f"{side}: {e.details()}", side)
 
 
 async def _decode_failure(decode_call, e: grpc.aio.AioRpcError) -> DispatchError:

@@ -33,6 +33,12 @@ log = logs.get("router")
 tracer = telemetry.tracer("pdserve.router")
 
 
+# A prefill that ended with one of these before the first token may succeed elsewhere.
+RETRY_PREFILL_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              grpc.StatusCode.ABORTED})
+
+
 @dataclass(frozen=True)
 class Route:
     prefill: WorkerView | None  # None: colocated on decode
@@ -120,10 +126,12 @@ class Router:
         return params
 
     # -- routing ---------------------------------------------------------------------------
-    async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams) -> Route:
+    async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
+                    exclude: set[str] | frozenset[str] = frozenset()) -> Route:
+        """`exclude`: prefill workers not to choose (this request already failed there)."""
         t0 = time.perf_counter()
         decodes = self.pool.usable("decode")
-        prefills = self.pool.usable("prefill")
+        prefills = [w for w in self.pool.usable("prefill") if w.worker_id not in exclude]
         bs = self.profile.block_size
         need = -(-(len(ids) + params.max_tokens - 1) // bs)
         dcands = [DecodeCandidate(w.worker_id, int(w.load.get("free_kv_blocks", 0)),
@@ -195,52 +203,47 @@ class Router:
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
                         timeout_s: float) -> AsyncIterator[TokenOut | Summary]:
+        """Route and dispatch; a prefill that fails before the first token reached the client is
+        tried again, once, on another prefill worker with a fresh handoff (the client sees
+        nothing of it)."""
         t0 = time.perf_counter()
-        with tracer.start_as_current_span("route", attributes={"request_id": request_id,
-                                                               "prompt_tokens": len(ids)}) as span:
-            hashes = block_hashes(ids, self.profile)
-            route = await self.route(ids, hashes, params)
-            span.set_attribute("prefill", route.prefill.address if route.prefill else "")
-            span.set_attribute("decode", route.decode.address)
-            self.metrics.observe("route_ms", route.route_ms)
-        summary = Summary(request_id, 0, route, len(ids))
+        deadline = time.monotonic() + timeout_s
+        hashes = block_hashes(ids, self.profile)
         text = TextStream(self.tokenizer)
-        workers = [w for w in (route.prefill, route.decode) if w is not None]
-        for w in workers:
-            w.inflight += 1
-        prefill_pending = route.prefill is not None
-        queued = route.queued_tokens(len(ids))
-        if prefill_pending:
-            route.prefill.inflight_tokens += queued
+        failed: set[str] = set()  # prefill workers this request already failed on
         last = None
-        try:
-            async for item in self._dispatch(request_id, ids, params, route, summary, timeout_s):
-                now = time.perf_counter()
-                if item.index == 0 and prefill_pending:
-                    route.prefill.inflight_tokens -= queued
-                    prefill_pending = False
-                if item.index == 0:
-                    summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
-                    self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
-                elif last is not None:
-                    self.metrics.observe("itl_ms", (now - last) * 1e3)
-                last = now
-                piece = text.push(item.token_id)
-                if item.finish_reason:
-                    piece += text.flush()
-                    summary.finish_reason = item.finish_reason
-                yield TokenOut(item.token_id, piece, item.logprob, item.index, item.finish_reason)
-        except DispatchError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                for w in workers:
-                    if str(e).startswith(w.role):
-                        self.pool.mark_failed(w)
-            raise
-        finally:
-            for w in workers:
-                w.inflight -= 1
-            if prefill_pending:
-                route.prefill.inflight_tokens -= queued
+        for attempt in range(1 + self.cfg.prefill_retries):
+            with tracer.start_as_current_span("route", attributes={"request_id": request_id,
+                                                                   "prompt_tokens": len(ids)}) as span:
+                route = await self.route(ids, hashes, params, exclude=failed)
+                span.set_attribute("prefill", route.prefill.address if route.prefill else "")
+                span.set_attribute("decode", route.decode.address)
+                self.metrics.observe("route_ms", route.route_ms)
+            summary = Summary(request_id, 0, route, len(ids))
+            # Each attempt is a handoff of its own: the workers know it by its own id.
+            handoff_id = request_id if attempt == 0 else f"{request_id}~retry{attempt}"
+            try:
+                async for item in self._attempt(handoff_id, ids, params, route, summary, deadline):
+                    now = time.perf_counter()
+                    if item.index == 0:
+                        summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
+                        self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
+                    elif last is not None:
+                        self.metrics.observe("itl_ms", (now - last) * 1e3)
+                    last = now
+                    piece = text.push(item.token_id)
+                    if item.finish_reason:
+                        piece += text.flush()
+                        summary.finish_reason = item.finish_reason
+                    yield TokenOut(item.token_id, piece, item.logprob, item.index, item.finish_reason)
+                break
+            except DispatchError as e:
+                if last is not None or not self._retry_prefill(e, route, attempt, deadline):
+                    raise
+                failed.add(route.prefill.worker_id)
+                self.metrics.count("prefill_retries")
+                log.warning("prefill failed before the first token: trying another prefill worker",
+                            request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name, error=str(e))
         total = (time.perf_counter() - t0) * 1e3
         summary.timings_ms["total_ms"] = total
         if summary.completion_tokens > 1:
@@ -248,6 +251,40 @@ class Router:
             summary.timings_ms["tpot_ms"] = tpot
             self.metrics.observe("tpot_ms", tpot)
         yield summary
+
+    def _retry_prefill(self, e: DispatchError, route: Route, attempt: int, deadline: float) -> bool:
+        return (e.side == "prefill" and e.code in RETRY_PREFILL_ON and route.prefill is not None
+                and attempt < self.cfg.prefill_retries and time.monotonic() < deadline
+                and any(w.worker_id != route.prefill.worker_id for w in self.pool.usable("prefill")))
+
+    async def _attempt(self, request_id: str, ids: list[int], params: SamplingParams, route: Route,
+                       summary: Summary, deadline: float):
+        """One dispatch on one route, with what it adds to its workers' in-flight figures."""
+        workers = [w for w in (route.prefill, route.decode) if w is not None]
+        for w in workers:
+            w.inflight += 1
+        prefill_pending = route.prefill is not None
+        queued = route.queued_tokens(len(ids))
+        if prefill_pending:
+            route.prefill.inflight_tokens += queued
+        try:
+            async for item in self._dispatch(request_id, ids, params, route, summary,
+                                             max(deadline - time.monotonic(), 0.001)):
+                if item.index == 0 and prefill_pending:
+                    route.prefill.inflight_tokens -= queued
+                    prefill_pending = False
+                yield item
+        except DispatchError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                for w in workers:
+                    if e.side == w.role:
+                        self.pool.mark_failed(w)
+            raise
+        finally:
+            for w in workers:
+                w.inflight -= 1
+            if prefill_pending:
+                route.prefill.inflight_tokens -= queued
 
     def deadline_s(self, prompt_tokens: int, params: SamplingParams, client_s: float | None) -> float:
         """Seconds the request may take at every hop: the client's deadline when it set one,
