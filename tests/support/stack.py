@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import grpc
-
 from pdserve.runtime.launch import ServiceProcess
+from pdserve.runtime.server import channel as internal_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 MIB = 1024 * 1024
@@ -70,21 +69,21 @@ class Stack:
 
 
 def stubs(address: str, kind: str):
-    channel = grpc.aio.insecure_channel(address)
+    channel = internal_channel(address)  # (carries the session's service token)
     cls = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
            "kvstore": kvstore_pb2_grpc.KVStoreStub}[kind]
     return channel, cls(channel)
 
 
 async def load(address: str, kind: str) -> common_pb2.WorkerLoad:
-    channel, stub = stubs(address, kind)
-    async with channel:
+    ch, stub = stubs(address, kind)
+    async with ch:
         return await stub.Load(prefill_pb2.LoadRequest(), timeout=5)
 
 
 async def store_stats(address: str) -> kvstore_pb2.StatsResponse:
-    channel, stub = stubs(address, "kvstore")
-    async with channel:
+    ch, stub = stubs(address, "kvstore")
+    async with ch:
         return await stub.Stats(kvstore_pb2.StatsRequest(), timeout=5)
 
 
