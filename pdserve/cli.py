@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from pdserve.runtime import auth
+
+        auth.ensure_stack_secrets()  # the stacks a bench starts run with auth on, like any other
     try:
         return args.func(args) or 0
     except ValueError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -25,11 +26,13 @@ from pathlib import Path
 
 import grpc
 
+from pdserve import config as config_mod
 from pdserve.config import field
 
 AUTH_HEADER = "authorization"
 ENV_SERVICE_TOKEN = "PDSERVE_SERVICE_TOKEN"
 ENV_API_KEYS = "PDSERVE_API_KEYS"
+ENV_API_KEY = "PDSERVE_API_KEY"  # the one key a client (SDK, CLI) sends
 # Calls no credential guards: a load balancer's or compose's health probe, and service discovery.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -155,7 +158,7 @@ def configure(creds: Credentials) -> Credentials:
 def current() -> Credentials:
     """The configured credentials, else those the environment gives (a test process, a bench, a
     tool): read afresh, since such a process may set its environment after import."""
-    return _configured if _configured is not None else Credentials.load(SecurityConfig())
+    return _configured if _configured is not None else Credentials.load(config_mod.load(SecurityConfig))
 
 
 def bearer(metadata) -> str:
@@ -165,3 +168,31 @@ def bearer(metadata) -> str:
             scheme, _, token = value.partition(" ")
             return token.strip() if scheme.lower() == "bearer" else ""
     return ""
+
+
+def stack_secrets() -> dict[str, str]:
+    """A fresh service token and one client API key for a stack this process starts (`pdserve
+    up`, a bench), as the environment its processes inherit: never a command line, which `ps`
+    shows to every user."""
+    token, key = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    return {ENV_SERVICE_TOKEN: token, ENV_API_KEYS: key, ENV_API_KEY: key,
+            "PDSERVE_SERVICE_TOKEN_FILE": "", "PDSERVE_API_KEYS_FILE": ""}
+
+
+def ensure_stack_secrets() -> None:
+    """Give this process (and what it starts) fresh credentials, unless it has a service token."""
+    if not (os.environ.get(ENV_SERVICE_TOKEN) or os.environ.get("PDSERVE_SERVICE_TOKEN_FILE")):
+        os.environ.update(stack_secrets())
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (redis://user:secret@host) masked, for logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.hostname or ""
+    netloc = f"{user}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
