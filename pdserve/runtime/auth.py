@@ -196,3 +196,25 @@ def redact_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{user}@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def write_stack_secrets(directory: str) -> str:
+    """Make `directory`/service-token and `directory`/api-keys (mode 0600) unless they exist, and
+    return the client key: how compose's one-shot `secrets` service shares one token between
+    containers through a volume, with no manual step."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    fresh = stack_secrets()
+    for name, value in (("service-token", fresh[ENV_SERVICE_TOKEN]), ("api-keys", fresh[ENV_API_KEYS])):
+        path = root / name
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(value + "\n")
+    return (root / "api-keys").read_text().split()[0]
+
+
+if __name__ == "__main__":  # python -m pdserve.runtime.auth DIR (compose)
+    import sys
+
+    print(f"{ENV_API_KEY}={write_stack_secrets(sys.argv[1])}", flush=True)
