@@ -39,8 +39,11 @@ KEEPALIVE_TIME_MS = 2_000
 KEEPALIVE_TIMEOUT_MS = 2_000
 # A server sends GOAWAY to a client that pings more often than this: below the clients' interval.
 MIN_PING_INTERVAL_MS = 1_000
+# (grpc 1.85: the keepalive ping's ack waits `grpc.http2.ping_timeout_ms`, 60 s by default, whatever
+# keepalive_timeout_ms says; measured: a SIGSTOPped peer failed a call after 60 s without it, 4.0 s with.)
 _KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+              ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 _SERVER_KEEPALIVE = [*_KEEPALIVE, ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
                      ("grpc.http2.max_ping_strikes", 0)]
 EXIT_DEADLINE_S = 5.0  # after the grace period, how long teardown may take before a hard exit

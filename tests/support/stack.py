@@ -23,7 +23,9 @@ class Stack:
     env: dict | None = None  # extra environment for every process
 
     def common(self) -> list[str]:
-        return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--grace-s", "1"]
+        """Flags every process gets ('' redis_url: PDSERVE_REDIS_URL in `env` says where Redis is)."""
+        redis = ["--redis-url", self.redis_url] if self.redis_url else []
+        return [*redis, "--key-prefix", self.key_prefix, "--grace-s", "1"]
 
     def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
         self.store = ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host",
