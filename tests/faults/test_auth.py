@@ -222,3 +222,42 @@ def tiny_greedy(tiny, prompt, n):
 
     return LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
         [prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+def test_a_service_without_a_service_token_refuses_to_start_and_insecure_is_explicit(shared_redis_url, key_prefix):
+    from tests.kvstore_support import FINGERPRINT_FLAG, LAYOUT_FLAG
+    from tests.support.procs import ServiceProcess
+
+    flags = ("--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG, "--device", "host",
+             "--device-bytes", str(1 << 20), "--dram-bytes", str(1 << 20), "--redis-url", shared_redis_url,
+             "--key-prefix", key_prefix, "--grace-s", "1")
+    bare = ServiceProcess("services.kvstore", *flags, env={"PDSERVE_SERVICE_TOKEN": ""}).spawn()
+    try:
+        assert bare.proc.wait(60) == 1
+        assert "no service token: set PDSERVE_SERVICE_TOKEN or --service-token-file" in bare.log()
+    finally:
+        bare.stop()
+    open_store = ServiceProcess("services.kvstore", *flags, "--insecure", env={"PDSERVE_SERVICE_TOKEN": ""}).start()
+    try:
+        assert "running with --insecure: no credential is checked on any call" in open_store.log()
+        with grpc.insecure_channel(open_store.address) as ch:
+            stats = kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=5)
+        assert stats.active_leases == 0
+    finally:
+        open_store.stop()
+
+
+def test_credentials_compare_every_key_and_never_print_a_secret():
+    from pdserve.runtime.auth import Caller, Credentials, SecurityConfig, redact_url
+    from pdserve.runtime.auth import bearer as bearer_of
+
+    creds = Credentials("svc-token", ("key-a", "key-b"))
+    assert [creds.caller(t) for t in ("svc-token", "key-b", "key-", "")] == [Caller.SERVICE, Caller.CLIENT, None, None]
+    assert "svc-token" not in repr(creds) and "key-a" not in repr(creds)
+    assert bearer_of((("authorization", "Bearer  abc "),)) == "abc" and bearer_of((("authorization", "abc"),)) == ""
+    assert redact_url("redis://:pw@h:6380/0") == "redis://:***@h:6380/0"
+    assert redact_url("rediss://user:pw@h/1") == "rediss://user:***@h/1"
+    loaded = Credentials.load(SecurityConfig(), {"PDSERVE_SERVICE_TOKEN": " t ", "PDSERVE_API_KEYS": "a, b,,"})
+    assert (loaded.service_token, loaded.api_keys) == ("t", ("a", "b"))
+    with pytest.raises(ValueError, match="go together"):
+        SecurityConfig(tls_cert="c.pem")
