@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -78,7 +79,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     params = _sampling(args)  # validates before any call
     kwargs = dict(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
                   top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos)
-    with Client(args.router) as c:
+    with Client(args.router, api_key=args.api_key, ca_path=args.tls_ca or None) as c:
         for item in c.generate_streamed(args.prompt, **kwargs):
             if isinstance(item, Result):
                 if args.json:
@@ -99,9 +100,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pdserve.client import Client
     from pdserve.status_table import render
 
-    with Client(args.router) as c:
+    with Client(args.router, api_key=args.api_key, ca_path=args.tls_ca or None) as c:
         print(render(c.status()))
     return 0
+
+
+def _add_router_flags(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--router", required=required, default="", help="HOST:PORT of a pdserve router")
+    p.add_argument("--api-key", default=None, help="the router's API key (default: env PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA", ""),
+                   help="PEM CA of a router serving TLS (default: env PDSERVE_TLS_CA; none: plaintext)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text")
-    gen.add_argument("--router", default="", help="HOST:PORT of a pdserve router")
+    _add_router_flags(gen, required=False)
     gen.add_argument("--local", action="store_true", help="run the engine in this process")
     gen.add_argument("--model", default="tiny", help="'tiny' (built in) or a Hugging Face checkpoint directory")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="workers, store and hit rates of a running deployment")
-    st.add_argument("--router", required=True, help="HOST:PORT of a pdserve router")
+    _add_router_flags(st, required=True)
     st.set_defaults(func=cmd_status)
 
     from pdserve import up
@@ -150,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from pdserve.runtime import auth
+
+        auth.ensure_stack_secrets()  # the stacks a bench starts run with auth on, like any other
     try:
         return args.func(args) or 0
     except ValueError as e:

@@ -5,14 +5,20 @@
         for ev in c.stream("Hello", max_tokens=16):
             print(ev.text, end="", flush=True)
 
+The router wants an API key: `api_key=`, else env PDSERVE_API_KEY (the line `pdserve up`
+prints). `ca_path`: a PEM CA to reach a router serving TLS (else plaintext).
+
 Errors arrive as typed exceptions (pdserve.errors): InvalidArgument, ResourceExhausted,
-Unavailable, NotFound, DeadlineExceeded, or PdserveError for anything else.
+Unavailable, NotFound, DeadlineExceeded, Unauthenticated, PermissionDenied, or PdserveError for
+anything else.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -22,6 +28,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort"}
 _ERRORS = {cls.code: cls for cls in errors.PdserveError.__subclasses__()}  # one typed error per status
+ENV_API_KEY = "PDSERVE_API_KEY"
 
 
 class Cancelled(errors.PdserveError):
@@ -92,13 +99,25 @@ def _error(e: grpc.RpcError) -> errors.PdserveError:
     return err
 
 
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    key = os.environ.get(ENV_API_KEY, "") if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def _tls(ca_path: str | None) -> grpc.ChannelCredentials | None:
+    return grpc.ssl_channel_credentials(Path(ca_path).read_bytes()) if ca_path else None
+
+
 class Client:
     """Blocking client. Thread-safe; one channel."""
 
-    def __init__(self, target: str, timeout_s: float = 120.0):
+    def __init__(self, target: str, timeout_s: float = 120.0, api_key: str | None = None,
+                 ca_path: str | None = None):
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        tls = _tls(ca_path)
+        self._channel = grpc.secure_channel(target, tls) if tls else grpc.insecure_channel(target)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = _metadata(api_key)
 
     def __enter__(self) -> Client:
         return self
@@ -113,7 +132,7 @@ class Client:
                  **sampling) -> Result:
         try:
             resp = self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
-                                            timeout=timeout_s or self.timeout_s)
+                                            timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -127,7 +146,8 @@ class Client:
     def generate_streamed(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
                           **sampling) -> Iterator[TokenEvent | Result]:
         """Token events as they come, then the `Result` (usage, timings, route)."""
-        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s,
+                                   metadata=self._metadata)
         tokens: list[TokenEvent] = []
         try:
             for msg in call:
@@ -143,7 +163,7 @@ class Client:
 
     def status(self) -> router_pb2.StatusResponse:
         try:
-            return self._stub.Status(router_pb2.StatusRequest(), timeout=10)
+            return self._stub.Status(router_pb2.StatusRequest(), timeout=10, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
 
@@ -151,10 +171,13 @@ class Client:
 class AsyncClient:
     """asyncio client; create and use it inside one event loop."""
 
-    def __init__(self, target: str, timeout_s: float = 120.0):
+    def __init__(self, target: str, timeout_s: float = 120.0, api_key: str | None = None,
+                 ca_path: str | None = None):
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target)
+        tls = _tls(ca_path)
+        self._channel = grpc.aio.secure_channel(target, tls) if tls else grpc.aio.insecure_channel(target)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = _metadata(api_key)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -169,7 +192,7 @@ class AsyncClient:
                        **sampling) -> Result:
         try:
             resp = await self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
-                                                  timeout=timeout_s or self.timeout_s)
+                                                  timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -182,7 +205,8 @@ class AsyncClient:
 
     async def generate_streamed(self, prompt: str | list[int], request_id: str = "",
                                 timeout_s: float | None = None, **sampling) -> AsyncIterator[TokenEvent | Result]:
-        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s,
+                                   metadata=self._metadata)
         tokens: list[TokenEvent] = []
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:
@@ -198,6 +222,6 @@ class AsyncClient:
 
     async def status(self) -> router_pb2.StatusResponse:
         try:
-            return await self._stub.Status(router_pb2.StatusRequest(), timeout=10)
+            return await self._stub.Status(router_pb2.StatusRequest(), timeout=10, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None

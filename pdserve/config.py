@@ -43,8 +43,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
         env = ENV_PREFIX + f.name.upper()
+        # A boolean flag alone means true (`--insecure`); `--index-mirror false` still says false.
+        extra = {"nargs": "?", "const": True} if _base_type(hints[f.name]) is bool else {}
         parser.add_argument(flag, dest=f.name, default=None, type=lambda s, t=hints[f.name]: _parse(t, s),
-                            help=f"{help_text} (env {env})".strip())
+                            help=f"{help_text} (env {env})".strip(), **extra)
 
 
 def load(cls: type[T], args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> T:

@@ -32,7 +32,15 @@ class FailedPrecondition(PdserveError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(PdserveError):
+    """No credential, or one nobody issued."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class PermissionDenied(PdserveError):
+    """A known credential not allowed this call (an API key on an internal RPC)."""
+
     code = grpc.StatusCode.PERMISSION_DENIED
 
 

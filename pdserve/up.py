@@ -1,6 +1,9 @@
 """`pdserve up`: the whole stack on one machine — Redis (the one at REDIS_URL, or our own), the
 store, N prefill and M decode workers and the router, each its own process. Ctrl-C / SIGTERM
-stops everything it started, by pid, in reverse order."""
+stops everything it started, by pid, in reverse order.
+
+It makes the stack's credentials (a service token, one client API key) and prints the key as
+`PDSERVE_API_KEY=<key>`, a line to paste into a shell for the SDK and the CLI."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import sys
 import threading
 import time
 
+from pdserve.runtime import auth
 from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 
 
@@ -28,9 +32,12 @@ class Stack:
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
         if not redis_reachable(redis_url):
             self.redis = RedisServer().start()
-            say(f"no Redis at {redis_url}: started our own at {self.redis.url}")
+            say(f"no Redis at {auth.redact_url(redis_url)}: started our own at {self.redis.url}")
             redis_url = self.redis.url
-        common = ["--redis-url", redis_url, "--key-prefix", a.key_prefix or f"pdserve-up-{os.getpid()}"]
+        # Secrets reach the processes by environment only: the Redis URL may hold a password, and
+        # the stack's own service token and API key are fresh for this run.
+        os.environ.update({**auth.stack_secrets(), "PDSERVE_REDIS_URL": redis_url})
+        common = ["--key-prefix", a.key_prefix or f"pdserve-up-{os.getpid()}"]
         model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
         store = self._add(ServiceProcess("services.kvstore", *model, *common,
                                          "--device-bytes", str(a.store_device_mib << 20),
@@ -90,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         address = stack.start()
         print(f"router at {address}", flush=True)
+        print(f"{auth.ENV_API_KEY}={os.environ[auth.ENV_API_KEY]}", flush=True)  # to paste into a shell
         if args.demo_prompt:
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:

@@ -3,6 +3,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.model.loader import LoadedModel, load_model
+from tests.support import credentials
+
+credentials.install()  # before any test starts a process: every service runs with auth on
 
 
 @pytest.fixture(scope="session")

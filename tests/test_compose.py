@@ -10,7 +10,7 @@ import yaml
 
 from tests.support.procs import ROOT
 
-SERVICES = {"redis", "jaeger", "kvstore", "prefill", "decode", "router"}
+SERVICES = {"secrets", "redis", "jaeger", "kvstore", "prefill", "decode", "router"}
 
 
 def test_compose_file_is_valid_and_names_every_service(tmp_path):
@@ -27,7 +27,12 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
         assert "pdserve.runtime.healthcheck" in svc["healthcheck"]["test"]
         assert svc["environment"]["PDSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-        assert all(dep["condition"] == "service_healthy" for dep in svc["depends_on"].values())
+        assert all(dep["condition"] == "service_healthy" for n, dep in svc["depends_on"].items() if n != "secrets")
+        # Every service reads the one token the `secrets` service wrote into the shared volume.
+        assert svc["environment"]["PDSERVE_SERVICE_TOKEN_FILE"] == "/run/pdserve/service-token"
+        assert "secrets:/run/pdserve:ro" in svc["volumes"]
+    assert resolved["services"]["kvstore"]["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    assert resolved["services"]["secrets"]["command"] == ["python", "-m", "pdserve.runtime.auth", "/run/pdserve"]
     assert resolved["services"]["router"]["depends_on"].keys() == {"prefill", "decode"}
     assert "16686" in str(resolved["services"]["jaeger"]["ports"])
     # A broken file is caught: the check can fail.

@@ -42,11 +42,20 @@ def test_up_generate_status_and_clean_stop(tiny):
         line = up.stdout.readline()
         assert line.startswith("router at "), line
         router = line.split()[-1]
+        name, _, key = up.stdout.readline().strip().partition("=")  # one line to paste into a shell
+        assert name == "PDSERVE_API_KEY" and len(key) >= 32 and key != os.environ["PDSERVE_API_KEY"]
+        env = {**os.environ, "PDSERVE_API_KEY": key}
         kids = children(up.pid)
         assert len(kids) >= 4  # store, prefill, decode, router (+ redis when none was reachable)
+        for k in kids:  # the stack's secrets are in no command line `ps` shows
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+        stranger = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", router], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)
+        assert stranger.returncode == 1 and "UNAUTHENTICATED" in stranger.stderr  # (the session's key)
         gen = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--router", router, "--prompt",
                               "hello", "--max-tokens", "5", "--ignore-eos", "--json"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=env)
         assert gen.returncode == 0, gen.stderr
         doc = json.loads(gen.stdout)
         from pdserve.engine.config import EngineConfig
@@ -56,12 +65,12 @@ def test_up_generate_status_and_clean_stop(tiny):
         want = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
             [tiny.tokenizer.encode("hello")], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert doc["token_ids"] == want and doc["prompt_tokens"] == 5 and doc["ttft_ms"] > 0
-        st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", router], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+        st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", router, "--api-key", key],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "redis: connected" in st.stdout
         assert "prefill" in st.stdout and "decode" in st.stdout
         bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--router", router, "--prompt", "",
-                              "--max-tokens", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                              "--max-tokens", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in bad.stderr
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0

@@ -1,5 +1,9 @@
 """A worker's registration in Redis: role, address, hash profile and load, kept alive by heartbeat.
 
+The record is signed with the deployment's service token (`sig`, an HMAC-SHA256 over the worker
+id, role, address and profile: what decides where prompts go), so anyone who can write to Redis
+but lacks the token cannot point the router at a worker of their own.
+
 Also publishes the worker's own prefix-cache contents (bounded by its pages) to the prefix index.
 Redis down: the worker keeps serving and says so once; registration resumes when Redis answers.
 """
@@ -7,6 +11,8 @@ Redis down: the worker keeps serving and says so once; registration resumes when
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Callable
@@ -29,16 +35,39 @@ def profile_json(p: HashProfile) -> str:
                        "dtype": lay.dtype}, sort_keys=True)
 
 
+SIGNED_FIELDS = ("role", "address", "profile")
+
+
+def sign(token: str, worker_id: str, record: dict[str, str]) -> str:
+    """The `sig` field of a registration: HMAC-SHA256 with the service token over the fields
+    that route prompts. (No timestamp: a replayed record can only name the worker that signed it,
+    which the router still health-checks.)"""
+    message = json.dumps([worker_id, *(record.get(f, "") for f in SIGNED_FIELDS)]).encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def signature_problem(token: str, worker_id: str, record: dict[str, str]) -> str:
+    """Why a registration must not be trusted ('' when its signature holds)."""
+    sig = record.get("sig", "")
+    if not sig:
+        return "registration is not signed (a worker without the deployment's service token)"
+    if not hmac.compare_digest(sig.encode(), sign(token, worker_id, record).encode()):
+        return "registration signature is wrong (signed with another service token, or altered)"
+    return ""
+
+
 class Registration:
     """Owns this worker's keys in Redis."""
 
     def __init__(self, url: str, keys: RedisKeys, worker_id: str, role: str, address: str, profile: HashProfile,
                  load: Callable[[], dict], cached_hashes: Callable[[], list[bytes]] | None = None,
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, service_token: str = ""):
         self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.keys = keys
         self.worker_id = worker_id
         self.fields = {"role": role, "address": address, "profile": profile_json(profile)}
+        if service_token:
+            self.fields["sig"] = sign(service_token, worker_id, self.fields)
         self.load = load
         self.cached_hashes = cached_hashes
         self.interval_s = interval_s

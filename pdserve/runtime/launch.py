@@ -33,11 +33,20 @@ def free_port() -> int:
 
 
 def redis_reachable(url: str = "redis://127.0.0.1:6379/0") -> bool:
+    """Whether a Redis answers at `url` (one that wants a password counts: it answered). A
+    rediss:// URL is probed over TLS, unverified: this asks only whether something is there."""
+    import ssl
     from urllib.parse import urlparse
 
     u = urlparse(url)
     try:
-        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=0.5) as s:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=0.5) as raw:
+            if u.scheme == "rediss":
+                ctx = ssl.create_default_context()
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+                s = ctx.wrap_socket(raw, server_hostname=u.hostname)
+            else:
+                s = raw
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
@@ -47,23 +56,32 @@ def redis_reachable(url: str = "redis://127.0.0.1:6379/0") -> bool:
 class RedisServer:
     """A redis-server of our own on a free port; stopped by its pid, never anyone else's."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str = "") -> None:
+        """`password`: require it (AUTH); given on redis-server's stdin, never on its command line."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
         self.exe = exe
         self.port = port or free_port()
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        # redis-server reads a config from stdin when given "-" (so `ps` never shows the password).
+        config = "".join(f"{k} {v}\n" for k, v in (("port", self.port), ("bind", "127.0.0.1"), ("save", '""'),
+                                                   ("appendonly", "no")))
+        if self.password:
+            config += f"requirepass {self.password}\n"
         self.proc = subprocess.Popen(
-            [*die_with_parent(), self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [*die_with_parent(), self.exe, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc.stdin.write(config.encode())
+        self.proc.stdin.close()
         deadline = time.time() + 10
         while not redis_reachable(self.url):
             if time.time() > deadline or self.proc.poll() is not None:

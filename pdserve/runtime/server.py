@@ -23,11 +23,29 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve import logs
 from pdserve.errors import InvalidArgument, status_for
-from pdserve.runtime import telemetry
+from pdserve.runtime import auth, telemetry
+from pdserve.runtime.guard import AuthInterceptor, bearer_interceptors
 
 log = logs.get("pdserve.runtime.server")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# gRPC keepalive on every channel and server. Without it a peer that hangs (SIGSTOP, a cable
+# pulled, a partition) holds every call on it until that call's deadline; with it the connection
+# is declared dead, and its calls fail UNAVAILABLE, within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS
+# (~4 s). 2 s is far above a ping's round trip (< 1 ms on a LAN) and costs one tiny frame per idle
+# connection per 2 s; the 2 s timeout rides out a busy host (2 cores here, a loaded step) without
+# false alarms, which would fail healthy calls.
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 2_000
+# A server sends GOAWAY to a client that pings more often than this: below the clients' interval.
+MIN_PING_INTERVAL_MS = 1_000
+# (grpc 1.85: the keepalive ping's ack waits `grpc.http2.ping_timeout_ms`, 60 s by default, whatever
+# keepalive_timeout_ms says; measured: a SIGSTOPped peer failed a call after 60 s without it, 4.0 s with.)
+_KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+              ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
+_SERVER_KEEPALIVE = [*_KEEPALIVE, ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+                     ("grpc.http2.max_ping_strikes", 0)]
 EXIT_DEADLINE_S = 5.0  # after the grace period, how long teardown may take before a hard exit
 
 
@@ -229,16 +247,27 @@ async def build_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     also_at: tuple[str, ...] = (),
     max_request_bytes: int | None = None,
+    client_facing: bool = False,
 ) -> ServerHandle:
     """Start a server; `register` adds the servicers and returns their full service names.
     `also_at`: more addresses to serve the same services at (e.g. "unix-abstract:NAME").
-    `max_request_bytes`: larger requests are refused INVALID_ARGUMENT before they are parsed."""
+    `max_request_bytes`: larger requests are refused INVALID_ARGUMENT before they are parsed.
+    `client_facing`: its RPCs take client API keys (the router's), and TLS asks no client
+    certificate; otherwise every RPC takes the service token alone (see runtime.auth)."""
     telemetry.setup_tracing(name)
+    creds = auth.current()
+    if (why := creds.refusal()) is not None:
+        raise SystemExit(f"{name}: {why}")
+    guard = []
+    if creds.insecure:
+        log.warning("running with --insecure: no credential is checked on any call", server=name)
+    else:
+        guard = [AuthInterceptor(creds, client_facing)]
     server = grpc.aio.server(
-        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor(max_request_bytes)],
+        interceptors=[*guard, *telemetry.server_interceptors(), ErrorInterceptor(max_request_bytes)],
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE],
     )
     service_names = tuple(register(server))
     health = HealthServicer()
@@ -248,22 +277,27 @@ async def build_server(
     reflection.enable_server_reflection(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"{name}: cannot bind {host}:{port}")
-    for address in also_at:
-        if server.add_insecure_port(address) == 0:
+    tls = creds.server_credentials(require_client_cert=not client_facing)
+    bound = 0
+    for address in (f"{host}:{port}", *also_at):
+        got = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+        if got == 0:
             raise RuntimeError(f"{name}: cannot bind {address}")
+        bound = bound or got
     await server.start()
-    log.info("listening", server=name, address=f"{host}:{bound}")
+    log.info("listening", server=name, address=f"{host}:{bound}", tls=tls is not None)
     return ServerHandle(server, bound, health, service_names, grace_s)
 
 
 def channel(target: str) -> grpc.aio.Channel:
-    """A client channel with tracing interceptors and our message-size limits."""
-    return grpc.aio.insecure_channel(
-        target,
-        interceptors=telemetry.client_interceptors(),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-    )
+    """An internal client channel: it carries the service token on every call (and TLS when this
+    process has certificates), with keepalive, tracing interceptors and our message-size limits."""
+    creds = auth.current()
+    interceptors = [*(bearer_interceptors(creds.metadata()) if creds.service_token else []),
+                    *telemetry.client_interceptors()]
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *_KEEPALIVE]
+    tls = creds.channel_credentials()
+    if tls is not None:
+        return grpc.aio.secure_channel(target, tls, interceptors=interceptors, options=options)
+    return grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)

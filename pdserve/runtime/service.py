@@ -11,15 +11,22 @@ from typing import TypeVar
 
 from pdserve import config as config_mod
 from pdserve import logs
-from pdserve.runtime import telemetry
+from pdserve.runtime import auth, telemetry
 
 T = TypeVar("T")
 
 
 def parse_config(cls: type[T], prog: str, argv: list[str] | None = None) -> T:
+    """The service's config, and the security flags every service shares: these fix the process's
+    credentials (runtime.auth), and a service without any refuses to start, before loading a model."""
     parser = argparse.ArgumentParser(prog=prog)
     config_mod.add_flags(parser, cls)
-    return config_mod.load(cls, parser.parse_args(argv))
+    config_mod.add_flags(parser.add_argument_group("security"), auth.SecurityConfig)
+    args = parser.parse_args(argv)
+    creds = auth.configure(auth.Credentials.load(config_mod.load(auth.SecurityConfig, args)))
+    if (why := creds.refusal()) is not None:
+        raise SystemExit(f"{prog}: {why}")
+    return config_mod.load(cls, args)
 
 
 def parse_cpus(spec: str) -> set[int]:

@@ -18,6 +18,7 @@ from pdserve.kvclient.store_client import StoreClient
 from pdserve.kvclient.transfer import Transfer
 from pdserve.model.config import parse_dtype
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.runtime import auth
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_thread import EngineThread
 from pdserve.worker.kv_pages import PageAddresses
@@ -41,7 +42,8 @@ class Worker:
         engine = self.engine.engine
         return Registration(self.cfg.redis_url, RedisKeys(self.cfg.key_prefix), worker_id, self.role.value,
                             address, self.profile, lambda: self.engine.load,
-                            lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s)
+                            lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s,
+                            service_token=auth.current().service_token)
 
 
 async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:

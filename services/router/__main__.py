@@ -11,6 +11,7 @@ from pdserve.cluster.keys import RedisKeys
 from pdserve.engine.mock_runner import served_profile
 from pdserve.model.config import parse_dtype
 from pdserve.model.spec import describe
+from pdserve.runtime import auth
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -31,7 +32,7 @@ async def main() -> None:
     profile = served_profile(model, cfg.block_size, mock=cfg.engine == "mock")
     redis = connect(cfg.redis_url, 0.5)
     keys = RedisKeys(cfg.key_prefix)
-    pool = WorkerPool(redis, keys, profile, cfg.refresh_s)
+    pool = WorkerPool(redis, keys, profile, cfg.refresh_s, auth.current().service_token)
     metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
     mirror = IndexMirror(connect(cfg.redis_url, 2.0),
                          keys) if cfg.index_mirror else None
@@ -47,7 +48,7 @@ async def main() -> None:
     # INVALID_ARGUMENT from validation instead of the transport's bare RESOURCE_EXHAUSTED.
     handle = await build_server("router", register, cfg.host, cfg.port, cfg.grace_s,
                                 max_message_bytes=4 * cfg.max_prompt_bytes + (1 << 20),
-                                max_request_bytes=router.encoder.max_request_bytes)
+                                max_request_bytes=router.encoder.max_request_bytes, client_facing=True)
     stopped = handle.install_signal_handlers()
     await pool.refresh()
     pool.start()

@@ -1,8 +1,9 @@
 """The router's view of the worker pool: registrations from Redis, confirmed by gRPC health checks.
 
 A worker whose heartbeat lapses (its Redis hash expired) or whose health check fails stops
-receiving work, and comes back once both are fine again. A worker whose hash profile differs
-from the pool's is refused, with the reason logged and shown in Status.
+receiving work, and comes back once both are fine again. A worker whose registration is not
+signed with the deployment's service token, or whose hash profile differs from the pool's, is
+refused (no channel is ever opened to it), with the reason logged once and shown in Status.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve import logs
 from pdserve.cluster import REDIS_DOWN, Redis
 from pdserve.cluster.keys import RedisKeys
-from pdserve.cluster.registry import profile_json, read_registrations
+from pdserve.cluster.registry import profile_json, read_registrations, signature_problem
 from pdserve.kv.layout import HashProfile
 from pdserve.runtime.server import channel
 from pdserve.runtime.tasks import cancel_and_wait
@@ -31,6 +32,7 @@ class WorkerView:
     worker_id: str
     role: str  # "prefill" | "decode"
     address: str
+    signature: str = ""  # the registration's `sig`: a new one is judged afresh
     load: dict = field(default_factory=dict)
     healthy: bool = False
     registered: bool = True
@@ -49,8 +51,12 @@ class WorkerView:
 class WorkerPool:
     """Owns the router's worker views and their channels; refreshed by one background task."""
 
-    def __init__(self, redis: Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float):
+    def __init__(self, redis: Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float,
+                 service_token: str = ""):
+        """`service_token`: what registrations must be signed with ('' only when running --insecure:
+        then any registration is trusted)."""
         self.redis = redis
+        self.service_token = service_token
         self.keys = keys
         self.profile_json = profile_json(profile)
         self.refresh_s = refresh_s
@@ -101,18 +107,22 @@ class WorkerPool:
                 continue
             seen.add(wid)
             view = self.workers.get(wid)
-            if view is None or view.address != rec["address"]:
+            if view is None or view.address != rec.get("address") or view.signature != rec.get("sig", ""):
                 view = self.workers[wid] = self._new_view(wid, rec)
             view.registered = True
-            view.load = json.loads(rec.get("load", "{}"))
+            if not view.refused_reason:  # (a refused record's fields are never read: it may be anything)
+                view.load = json.loads(rec.get("load", "{}"))
         for wid, view in self.workers.items():
             if wid not in seen:
                 view.registered = False
 
     def _new_view(self, wid: str, rec: dict) -> WorkerView:
-        view = WorkerView(wid, rec["role"], rec["address"])
-        if rec.get("profile") != self.profile_json:
+        view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""))
+        if self.service_token:
+            view.refused_reason = signature_problem(self.service_token, wid, rec)
+        if not view.refused_reason and rec.get("profile") != self.profile_json:
             view.refused_reason = f"hash profile differs from the pool's: {rec.get('profile')} vs {self.profile_json}"
+        if view.refused_reason:
             log.warning("worker refused", worker=wid, address=view.address, reason=view.refused_reason)
             return view
         view.channel = channel(view.address)

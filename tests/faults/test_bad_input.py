@@ -18,6 +18,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.rpc.convert import profile_to_pb
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from tests.support.credentials import API_KEY, bearer
 from tests.support.procs import SERVING, health
 from tests.support.stack import Stack, load, routed_stack, store_stats, stubs
 
@@ -128,7 +129,7 @@ def test_invalid_utf8_prompt_is_invalid_argument(stack, engine):
         call = ch.unary_unary("/pdserve.v1.Router/GenerateUnary", request_serializer=None,
                               response_deserializer=router_pb2.GenerateResult.FromString)
         with pytest.raises(grpc.RpcError) as err:
-            call(raw, timeout=5)
+            call(raw, timeout=5, metadata=bearer(API_KEY))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
     _healthy_and_clean(stack, engine)
 

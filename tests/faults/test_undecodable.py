@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.v1 import kvstore_pb2
 from tests.kvstore_support import start_store
+from tests.support.credentials import SERVICE_METADATA
 from tests.support.procs import SERVING, health
 
 
@@ -25,7 +26,7 @@ def test_invalid_utf8_is_invalid_argument_and_the_store_stays_healthy(shared_red
             call = ch.unary_unary("/pdserve.v1.KVStore/AllocatePut", request_serializer=None,
                                   response_deserializer=kvstore_pb2.AllocatePutResponse.FromString)
             with pytest.raises(grpc.RpcError) as err:
-                call(raw, timeout=5, metadata=(("pdserve-client-id", "t"),))
+                call(raw, timeout=5, metadata=(("pdserve-client-id", "t"), *SERVICE_METADATA))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "UTF-8" in err.value.details()
             streaming = ch.stream_unary("/pdserve.v1.KVStore/PutBytes", request_serializer=None,
@@ -33,7 +34,7 @@ def test_invalid_utf8_is_invalid_argument_and_the_store_stays_healthy(shared_red
             header = kvstore_pb2.PutBytesRequest(header=kvstore_pb2.PutBytesHeader(request_id="ABCDEFGH"))
             with pytest.raises(grpc.RpcError) as err:
                 streaming(iter([_with_invalid_utf8(header, "ABCDEFGH")]), timeout=5,
-                          metadata=(("pdserve-client-id", "t"),))
+                          metadata=(("pdserve-client-id", "t"), *SERVICE_METADATA))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert health(store.address) == SERVING
     finally:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import grpc
-
 from pdserve.runtime.launch import ServiceProcess
+from pdserve.runtime.server import channel as internal_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 MIB = 1024 * 1024
@@ -24,7 +23,9 @@ class Stack:
     env: dict | None = None  # extra environment for every process
 
     def common(self) -> list[str]:
-        return ["--redis-url", self.redis_url, "--key-prefix", self.key_prefix, "--grace-s", "1"]
+        """Flags every process gets ('' redis_url: PDSERVE_REDIS_URL in `env` says where Redis is)."""
+        redis = ["--redis-url", self.redis_url] if self.redis_url else []
+        return [*redis, "--key-prefix", self.key_prefix, "--grace-s", "1"]
 
     def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
         self.store = ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host",
@@ -80,21 +81,21 @@ def routed_stack(redis_url: str, num_prefill: int, num_decode: int) -> Stack:
 
 
 def stubs(address: str, kind: str):
-    channel = grpc.aio.insecure_channel(address)
+    channel = internal_channel(address)  # (carries the session's service token)
     cls = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
            "kvstore": kvstore_pb2_grpc.KVStoreStub}[kind]
     return channel, cls(channel)
 
 
 async def load(address: str, kind: str) -> common_pb2.WorkerLoad:
-    channel, stub = stubs(address, kind)
-    async with channel:
+    ch, stub = stubs(address, kind)
+    async with ch:
         return await stub.Load(prefill_pb2.LoadRequest(), timeout=5)
 
 
 async def store_stats(address: str) -> kvstore_pb2.StatsResponse:
-    channel, stub = stubs(address, "kvstore")
-    async with channel:
+    ch, stub = stubs(address, "kvstore")
+    async with ch:
         return await stub.Stats(kvstore_pb2.StatsRequest(), timeout=5)
 
 
