@@ -90,7 +90,10 @@ class StoreClient:
         if self._stub is None:
             if self._connecting is None or self._connecting.done():
                 self._connecting = asyncio.ensure_future(self.connect())
-            await asyncio.shield(self._connecting)
+            try:
+                await asyncio.shield(self._connecting)
+            except grpc.aio.AioRpcError as e:
+                raise self._named(e) from None
         return self._stub
 
     async def _call(self, method: str, request, retry: bool = True):
