@@ -269,9 +269,11 @@ def test_decode_admission_refuses_at_once_when_pages_are_short(shared_redis_url,
 
 async def start_by_hand(p, d, rid: str, ids: list[int]):
     """Decode admitted (its stream open), prefill running: the router's part, done by the test so
-    it can kill one side in the middle."""
+    it can kill one side in the middle. (Decode would wait for prefill to its call's deadline,
+    the router cancelling it when prefill fails; by hand, the caller bounds the wait itself.)"""
     call = d.Generate(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling(),
-                                               mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=30)
+                                               mode=decode_pb2.DECODE_MODE_DISAGGREGATED, prefill_timeout_ms=2000),
+                      timeout=30)
     assert (await call.read()).HasField("admitted")
     pre = asyncio.ensure_future(p.Prefill(prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=ids, sampling=sampling()), timeout=60))

@@ -36,6 +36,7 @@ class RouterConfig:
     timeout_ms_per_output_token: float = field(250.0, "added to the default deadline per max_tokens")
     prefill_retries: int = field(1, "times a prefill that fails before the first token is tried on another "
                                     "prefill worker")
+    max_migrations: int = field(2, "times a request whose decode worker fails mid-stream resumes on another")
     store: str = field("", "kvstore address, for its stats in Status (optional)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")

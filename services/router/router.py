@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -33,8 +34,8 @@ log = logs.get("router")
 tracer = telemetry.tracer("pdserve.router")
 
 
-# A prefill that ended with one of these before the first token may succeed elsewhere.
-RETRY_PREFILL_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+# A worker's call that ended with one of these may succeed on another worker.
+RETRY_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               grpc.StatusCode.ABORTED})
 
@@ -128,10 +129,11 @@ class Router:
     # -- routing ---------------------------------------------------------------------------
     async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
                     exclude: set[str] | frozenset[str] = frozenset()) -> Route:
-        """`exclude`: prefill workers not to choose (this request already failed there)."""
+        """`exclude`: workers not to choose (this request already failed there)."""
         t0 = time.perf_counter()
         decodes = self.pool.usable("decode")
         prefills = [w for w in self.pool.usable("prefill") if w.worker_id not in exclude]
+        decodes = [w for w in decodes if w.worker_id not in exclude]
         bs = self.profile.block_size
         need = -(-(len(ids) + params.max_tokens - 1) // bs)
         dcands = [DecodeCandidate(w.worker_id, int(w.load.get("free_kv_blocks", 0)),
@@ -203,47 +205,68 @@ class Router:
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
                         timeout_s: float) -> AsyncIterator[TokenOut | Summary]:
-        """Route and dispatch; a prefill that fails before the first token reached the client is
-        tried again, once, on another prefill worker with a fresh handoff (the client sees
-        nothing of it)."""
+        """Route and dispatch, hiding what can be hidden from the client:
+        - a prefill that fails before the first token reached it is tried again on another
+          prefill worker with a fresh handoff (`prefill_retries` times);
+        - a decode that dies or hangs mid-stream is replaced (`max_migrations` times): the
+          request resumes on another decode worker from the prompt plus the tokens already
+          streamed, re-prefilled (the prompt's blocks mostly from cache), and the stream goes on
+          from the next index, with no gap and no repeat."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
-        hashes = block_hashes(ids, self.profile)
         text = TextStream(self.tokenizer)
-        failed: set[str] = set()  # prefill workers this request already failed on
+        out: list[int] = []  # the tokens the client has, in order
+        failed: set[str] = set()  # workers this request already failed on
+        retries = migrations = 0
         last = None
-        for attempt in range(1 + self.cfg.prefill_retries):
+        for attempt in itertools.count():
+            prompt = ids + out
+            left = params if not out else replace(params, max_tokens=params.max_tokens - len(out))
             with tracer.start_as_current_span("route", attributes={"request_id": request_id,
-                                                                   "prompt_tokens": len(ids)}) as span:
-                route = await self.route(ids, hashes, params, exclude=failed)
+                                                                   "prompt_tokens": len(prompt)}) as span:
+                route = await self.route(prompt, block_hashes(prompt, self.profile), left, exclude=failed)
                 span.set_attribute("prefill", route.prefill.address if route.prefill else "")
                 span.set_attribute("decode", route.decode.address)
                 self.metrics.observe("route_ms", route.route_ms)
             summary = Summary(request_id, 0, route, len(ids))
             # Each attempt is a handoff of its own: the workers know it by its own id.
-            handoff_id = request_id if attempt == 0 else f"{request_id}~retry{attempt}"
+            handoff_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             try:
-                async for item in self._attempt(handoff_id, ids, params, route, summary, deadline):
+                async for item in self._attempt(handoff_id, prompt, left, route, summary, deadline):
                     now = time.perf_counter()
-                    if item.index == 0:
+                    if last is None:
                         summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
                         self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
-                    elif last is not None:
+                    else:
                         self.metrics.observe("itl_ms", (now - last) * 1e3)
                     last = now
                     piece = text.push(item.token_id)
                     if item.finish_reason:
                         piece += text.flush()
                         summary.finish_reason = item.finish_reason
-                    yield TokenOut(item.token_id, piece, item.logprob, item.index, item.finish_reason)
+                    yield TokenOut(item.token_id, piece, item.logprob, len(out), item.finish_reason)
+                    out.append(item.token_id)
                 break
             except DispatchError as e:
-                if last is not None or not self._retry_prefill(e, route, attempt, deadline):
+                if not out and self._may_retry(e, "prefill", route.prefill, retries, self.cfg.prefill_retries,
+                                               deadline):
+                    retries += 1
+                    failed.add(route.prefill.worker_id)
+                    self.metrics.count("prefill_retries")
+                    log.warning("prefill failed before the first token: trying another prefill worker",
+                                request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name,
+                                error=str(e))
+                elif out and self._may_retry(e, "decode", route.decode, migrations, self.cfg.max_migrations,
+                                             deadline):
+                    migrations += 1
+                    failed.add(route.decode.worker_id)
+                    self.metrics.count("migrations")
+                    log.warning("decode failed mid-stream: migrating the request to another decode worker",
+                                request_id=request_id, decode=route.decode.worker_id, streamed=len(out),
+                                code=e.code.name, error=str(e))
+                else:
                     raise
-                failed.add(route.prefill.worker_id)
-                self.metrics.count("prefill_retries")
-                log.warning("prefill failed before the first token: trying another prefill worker",
-                            request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name, error=str(e))
+        summary.completion_tokens = len(out)
         total = (time.perf_counter() - t0) * 1e3
         summary.timings_ms["total_ms"] = total
         if summary.completion_tokens > 1:
@@ -252,10 +275,13 @@ class Router:
             self.metrics.observe("tpot_ms", tpot)
         yield summary
 
-    def _retry_prefill(self, e: DispatchError, route: Route, attempt: int, deadline: float) -> bool:
-        return (e.side == "prefill" and e.code in RETRY_PREFILL_ON and route.prefill is not None
-                and attempt < self.cfg.prefill_retries and time.monotonic() < deadline
-                and any(w.worker_id != route.prefill.worker_id for w in self.pool.usable("prefill")))
+    def _may_retry(self, e: DispatchError, side: str, worker: WorkerView | None, done: int, allowed: int,
+                   deadline: float) -> bool:
+        """Whether a failure on `side` may be hidden by trying again elsewhere: one that another
+        worker might not have, with retries left, time left, and another worker to go to."""
+        return (e.side == side and e.code in RETRY_ON and worker is not None and done < allowed
+                and time.monotonic() < deadline
+                and any(w.worker_id != worker.worker_id for w in self.pool.usable(side)))
 
     async def _attempt(self, request_id: str, ids: list[int], params: SamplingParams, route: Route,
                        summary: Summary, deadline: float):
