@@ -36,6 +36,8 @@ class RouterConfig:
     timeout_ms_per_output_token: float = field(250.0, "added to the default deadline per max_tokens")
     prefill_retries: int = field(1, "times a prefill that fails before the first token is tried on another "
                                     "prefill worker")
+    max_queued: int = field(256, "requests that may wait for a decode worker with room; past it, refused at once")
+    queue_timeout_s: float = field(2.0, "how long a request waits in the admission queue before it is refused")
     max_migrations: int = field(2, "times a request whose decode worker fails mid-stream resumes on another")
     store: str = field("", "kvstore address, for its stats in Status (optional)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")

@@ -6,7 +6,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
@@ -22,61 +22,18 @@ from pdserve.model.tokenizer import TextStream, Tokenizer
 from pdserve.rpc.convert import profile_to_pb, sampling_to_pb
 from pdserve.runtime import telemetry
 from pdserve.v1 import decode_pb2
+from services.router.admission import AdmissionQueue, NoRoom
 from services.router.config import RouterConfig
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
 from services.router.prompt_encoder import PromptEncoder
 from services.router.recent import RecentRoutes
+from services.router.route_types import RETRY_ON, Route, Summary, TokenOut
 from services.router.workers import WorkerPool, WorkerView
 
 log = logs.get("router")
 tracer = telemetry.tracer("pdserve.router")
-
-
-# A worker's call that ended with one of these may succeed on another worker.
-RETRY_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.ABORTED})
-
-
-@dataclass(frozen=True)
-class Route:
-    prefill: WorkerView | None  # None: colocated on decode
-    decode: WorkerView
-    policy: str
-    expected_local_tokens: int
-    expected_store_tokens: int
-    estimated_ttft_ms: float
-    route_ms: float
-    best_hit_tokens: int = 0  # the most prompt tokens any prefill worker could have reused, per the index
-
-    def queued_tokens(self, prompt_tokens: int) -> int:
-        """What this request adds to its prefill worker's queue: the tokens it is expected to
-        compute, not those it reuses (the worker's own queue figure counts the same way)."""
-        return max(1, prompt_tokens - self.expected_local_tokens - self.expected_store_tokens)
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    token_id: int
-    text: str
-    logprob: float
-    index: int
-    finish_reason: int
-
-
-@dataclass
-class Summary:
-    request_id: str
-    finish_reason: int
-    route: Route
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_local: int = 0
-    cached_store: int = 0
-    computed: int = 0
-    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 class Router:
@@ -92,6 +49,7 @@ class Router:
         self.max_prompt = cfg.max_prompt_tokens or max_model_len
         self.encoder = PromptEncoder(tokenizer, self.max_prompt, cfg.max_prompt_bytes)
         self.active: set[str] = set()  # request ids in flight here (a duplicate is refused)
+        self.admission = AdmissionQueue(cfg.max_queued, cfg.queue_timeout_s, metrics)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.index = PrefixIndex(redis, pool.keys)
@@ -136,12 +94,11 @@ class Router:
         decodes = [w for w in decodes if w.worker_id not in exclude]
         bs = self.profile.block_size
         need = -(-(len(ids) + params.max_tokens - 1) // bs)
-        dcands = [DecodeCandidate(w.worker_id, int(w.load.get("free_kv_blocks", 0)),
-                                  int(w.load.get("running_requests", 0)) + w.inflight) for w in decodes]
+        dcands = [DecodeCandidate(w.worker_id, w.free_blocks(), int(w.load.get("running_requests", 0)) + w.inflight)
+                  for w in decodes]
         dchoice = self.policy.choose_decode(dcands, need)
         if dchoice is None:
-            raise ResourceExhausted(
-                f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy); retry in a few seconds")
+            raise NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
         decode = self.pool.workers[dchoice.worker_id]
         t_lookup = time.perf_counter()
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
@@ -160,7 +117,8 @@ class Router:
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         if not prefills or uncached < self.cfg.colocate_below_tokens:
-            return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3)
+            return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3,
+                         decode_blocks=need)
         if self.cfg.ttft_slo_ms and choice.estimated_ttft_ms > self.cfg.ttft_slo_ms:
             raise ResourceExhausted(
                 f"estimated TTFT {choice.estimated_ttft_ms:.0f} ms exceeds the SLO {self.cfg.ttft_slo_ms:.0f} ms; "
@@ -168,7 +126,11 @@ class Router:
         self.recent.add(choice.worker_id, hashes)
         return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
                      choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
-                     choice.best_hit_tokens)
+                     choice.best_hit_tokens, need)
+
+    async def admitted_route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
+                             exclude: set[str], deadline: float) -> Route:
+        return await self.admission.admit(lambda: self.route(ids, hashes, params, exclude), deadline)
 
     def index_source(self) -> str:
         """Where the next look-up reads the prefix index: "mirror", "redis", or "" (not read)."""
@@ -218,13 +180,14 @@ class Router:
         out: list[int] = []  # the tokens the client has, in order
         failed: set[str] = set()  # workers this request already failed on
         retries = migrations = 0
+        queue_until = time.monotonic() + self.cfg.queue_timeout_s  # a decode that refuses: wait for room this long
         last = None
         for attempt in itertools.count():
             prompt = ids + out
             left = params if not out else replace(params, max_tokens=params.max_tokens - len(out))
             with tracer.start_as_current_span("route", attributes={"request_id": request_id,
                                                                    "prompt_tokens": len(prompt)}) as span:
-                route = await self.route(prompt, block_hashes(prompt, self.profile), left, exclude=failed)
+                route = await self.admitted_route(prompt, block_hashes(prompt, self.profile), left, failed, deadline)
                 span.set_attribute("prefill", route.prefill.address if route.prefill else "")
                 span.set_attribute("decode", route.decode.address)
                 self.metrics.observe("route_ms", route.route_ms)
@@ -256,6 +219,12 @@ class Router:
                     log.warning("prefill failed before the first token: trying another prefill worker",
                                 request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name,
                                 error=str(e))
+                elif not out and e.side == "decode" and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+                        time.monotonic() < queue_until):
+                    # Its admission is the truth our estimate missed: full until its next heartbeat.
+                    route.decode.load["free_kv_blocks"] = 0
+                    route.decode.inflight_blocks_at_read = route.decode.inflight_blocks
+                    self.metrics.count("decode_admission_refused")
                 elif out and self._may_retry(e, "decode", route.decode, migrations, self.cfg.max_migrations,
                                              deadline):
                     migrations += 1
@@ -289,6 +258,7 @@ class Router:
         workers = [w for w in (route.prefill, route.decode) if w is not None]
         for w in workers:
             w.inflight += 1
+        route.decode.inflight_blocks += route.decode_blocks
         prefill_pending = route.prefill is not None
         queued = route.queued_tokens(len(ids))
         if prefill_pending:
@@ -309,8 +279,10 @@ class Router:
         finally:
             for w in workers:
                 w.inflight -= 1
+            route.decode.inflight_blocks -= route.decode_blocks
             if prefill_pending:
                 route.prefill.inflight_tokens -= queued
+            self.admission.room_freed()
 
     def deadline_s(self, prompt_tokens: int, params: SamplingParams, client_s: float | None) -> float:
         """Seconds the request may take at every hop: the client's deadline when it set one,

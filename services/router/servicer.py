@@ -6,7 +6,8 @@ from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.rpc.convert import sampling_from_pb
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.router import Router, Summary, TokenOut
+from services.router.route_types import Summary, TokenOut
+from services.router.router import Router
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

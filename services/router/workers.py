@@ -42,6 +42,13 @@ class WorkerView:
     health: object = None
     inflight: int = 0  # requests this router has on it now
     inflight_tokens: int = 0  # tokens to compute, of prompts this router sent it whose prefill has not returned
+    inflight_blocks: int = 0  # decode: KV blocks this router's requests there reserve
+    inflight_blocks_at_read: int = 0  # ...as they were when `load` was last read
+
+    def free_blocks(self) -> int:
+        """Decode: free KV blocks, the heartbeat's figure corrected by what this router has
+        sent there, or seen end, since it read it (a heartbeat is up to a beat old)."""
+        return int(self.load.get("free_kv_blocks", 0)) - (self.inflight_blocks - self.inflight_blocks_at_read)
 
     @property
     def usable(self) -> bool:
@@ -112,6 +119,7 @@ class WorkerPool:
             view.registered = True
             if not view.refused_reason:  # (a refused record's fields are never read: it may be anything)
                 view.load = json.loads(rec.get("load", "{}"))
+            view.inflight_blocks_at_read = view.inflight_blocks
         for wid, view in self.workers.items():
             if wid not in seen:
                 view.registered = False

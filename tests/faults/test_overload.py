@@ -1,0 +1,73 @@
+"""A burst ten times what the decode pool can hold: admitted requests get exact tokens, the
+rest wait in the bounded admission queue or are refused fast with a retry hint, and nothing
+is left held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from pdserve import errors
+from pdserve.client import AsyncClient
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from tests.support.stack import Stack, load
+
+MAX_TOKENS = 24
+BURST = 60  # each request reserves 4 blocks: the decode worker's 24 hold 6 at once
+
+
+def test_a_burst_is_served_exactly_or_refused_fast(shared_redis_url, tiny):
+    s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(1, 1, decode_flags=("--num-blocks", "24"))
+    try:
+        s.start_router("--max-queued", "12", "--queue-timeout-s", "1")
+        s.wait_pool(2)
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=512))
+        prompts = [[(i * 17 + n * 5 + 1) % 256 for i in range(40)] for n in range(BURST)]
+        want = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+
+        async def one(c: AsyncClient, n: int):
+            t0 = time.perf_counter()
+            try:
+                r = await c.generate(prompts[n], max_tokens=MAX_TOKENS, ignore_eos=True, timeout_s=60)
+                return "ok", r.token_ids == want[n].token_ids, time.perf_counter() - t0, ""
+            except errors.ResourceExhausted as e:
+                return "refused", None, time.perf_counter() - t0, str(e)
+
+        async def burst():
+            async with AsyncClient(s.router.address) as c:
+                return await asyncio.gather(*(one(c, n) for n in range(BURST)))
+
+        out = asyncio.run(burst())
+        served = [o for o in out if o[0] == "ok"]
+        refused = [o for o in out if o[0] == "refused"]
+        assert len(served) + len(refused) == BURST
+        assert served and all(exact for _, exact, _, _ in served), [o for o in served if not o[1]]
+        assert refused and all("retry in about" in msg for *_, msg in refused)
+        full = [t for _, _, t, msg in refused if "already queued" in msg]
+        waited = [t for _, _, t, msg in refused if "in the admission queue" in msg]
+        assert len(full) + len(waited) == len(refused)
+        assert all(t < 1.0 for t in full), full  # refused at once: not after a wait
+        assert all(t < 3.0 for t in waited), waited  # the 1 s queue bound, and the machine's noise
+        print(f"served {len(served)}, refused at once {len(full)} (max {max(full, default=0) * 1e3:.0f} ms), "
+              f"after the queue {len(waited)}")
+
+        async def audit():
+            for _ in range(50):
+                ld = await load(s.decodes[0].address, "decode")
+                if ld.running_requests == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return ld
+
+        ld = asyncio.run(audit())
+        assert (ld.running_requests, ld.inflight_requests, ld.free_kv_blocks) == (0, 0, 24)
+        async def again():  # the pool serves the next request at once
+            async with AsyncClient(s.router.address) as c:
+                return await c.generate(prompts[0], max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        assert asyncio.run(again()).token_ids == want[0].token_ids
+    finally:
+        s.stop()
