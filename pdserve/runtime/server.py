@@ -146,6 +146,19 @@ def _passed_on(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return code, details
 
 
+async def _cancelled_here(context: grpc.aio.ServicerContext) -> None:
+    """The handler was cancelled by this service (a Cancel RPC), not by its caller: end the call
+    with CANCELLED now, or the caller would wait for it to its deadline."""
+    if context.cancelled() or context.done():
+        return  # the caller went away: there is no one to tell
+    try:
+        await context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled (a Cancel call)")
+    except grpc.aio.AbortError:
+        pass
+    except Exception:  # noqa: BLE001 - the call may already be ending
+        pass
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     await context.abort(*refusal(exc, method))
 
@@ -171,7 +184,10 @@ def _wrap_unary(fn, method: str):
             if (bad := _undecodable(request)) is not None:
                 raise bad
             return await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            await _cancelled_here(context)
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - every error becomes a status
             await _abort(context, e, method)
@@ -189,7 +205,10 @@ def _wrap_stream(fn, method: str):
                 raise bad
             async for item in fn(request, context):
                 yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            await _cancelled_here(context)
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001
             await _abort(context, e, method)

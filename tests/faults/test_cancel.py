@@ -1,0 +1,109 @@
+"""Cancellation at every phase: 200 requests, each given up by its client at a random moment
+(routing, prefill, handoff, decode); afterwards nothing is held anywhere and every id is free.
+And a worker's Cancel RPC ends its stream with a status at once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from pdserve.client import AsyncClient, Client
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from tests.support.stack import load, routed_stack, store_stats, stubs
+
+N = 200
+
+
+@pytest.fixture(scope="module")
+def stack(shared_redis_url):
+    s = routed_stack(shared_redis_url, 1, 1)
+    yield s
+    s.stop()
+
+
+def _audit(stack) -> None:
+    async def settled():
+        for _ in range(100):  # handoff tails wait out their 3 s TTL at most
+            p = await load(stack.prefills[0].address, "prefill")
+            d = await load(stack.decodes[0].address, "decode")
+            st = await store_stats(stack.store.address)
+            state = ((p.running_requests, p.inflight_requests, d.running_requests, d.inflight_requests),
+                     (p.free_kv_blocks == p.total_kv_blocks, d.free_kv_blocks == d.total_kv_blocks),
+                     (st.active_leases, st.watchers, [t.pinned_blocks for t in st.tiers]))
+            if state == ((0, 0, 0, 0), (True, True), (0, 0, [0, 0])):
+                return state
+            await asyncio.sleep(0.1)
+        return state
+
+    assert asyncio.run(settled()) == ((0, 0, 0, 0), (True, True), (0, 0, [0, 0]))
+
+
+def test_200_requests_cancelled_at_random_phases_leave_nothing_held(stack):
+    rng = random.Random(20)
+
+    async def one(c: AsyncClient, n: int) -> int:
+        prompt = [(i * 7 + n) % 256 for i in range(rng.choice([5, 40, 300]))]
+        after_tokens = rng.randint(1, 39) if n % 2 else 0  # half cut mid-stream, half at a random time
+        got = 0
+        cut = asyncio.Event()
+
+        async def consume():
+            nonlocal got
+            async for _ in c.stream(prompt, request_id=f"c{n}", max_tokens=40, ignore_eos=True):
+                got += 1
+                if got == after_tokens:
+                    cut.set()
+                    await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(consume())
+        if after_tokens:
+            await asyncio.wait([task, asyncio.ensure_future(cut.wait())], return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(rng.uniform(0, 0.3))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return got
+
+    async def run():
+        async with AsyncClient(stack.router.address) as c:
+            sem = asyncio.Semaphore(8)
+
+            async def bounded(n):
+                async with sem:
+                    return await one(c, n)
+
+            return await asyncio.gather(*(bounded(n) for n in range(N)))
+
+    got = asyncio.run(run())
+    assert sum(1 for g in got if 0 < g < 40) >= N // 2  # cut mid-stream, not only before or after
+    _audit(stack)
+    with Client(stack.router.address) as c:  # every id is free again
+        assert len(c.generate([1, 2, 3], request_id="c7", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_workers_cancel_rpc_ends_its_stream_at_once(stack):
+    async def run():
+        dch, decode = stubs(stack.decodes[0].address, "decode")
+        async with dch:
+            call = decode.Generate(decode_pb2.DecodeRequest(
+                request_id="to-cancel", prompt_token_ids=[5] * 30, mode=decode_pb2.DECODE_MODE_COLOCATED,
+                sampling=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True)), timeout=60)
+            await call.read()  # admitted
+            await call.read()  # a token: it is decoding
+            found = await decode.Cancel(prefill_pb2.CancelRequest(request_id="to-cancel"), timeout=5)
+            t0 = time.perf_counter()
+            try:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            return found.found, code, time.perf_counter() - t0
+
+    found, code, seconds = asyncio.run(run())
+    assert found and code == grpc.StatusCode.CANCELLED and seconds < 2.0
+    _audit(stack)
