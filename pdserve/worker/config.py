@@ -27,8 +27,8 @@ class WorkerConfig:
     mock_cost: str = field("", "mock engine cost model: JSON file or inline JSON (default: fitted to tiny here)")
     mock_scale: float = field(1.0, "multiply every mock cost by this (e.g. to mimic a larger model)")
     store: str = field("127.0.0.1:50051", "kvstore address")
-    store_timeout_ms: int = field(2000, "deadline of each store call (small calls: a stalled store fails requests "
-                                        "fast)")
+    store_timeout_ms: int = field(5000, "deadline of each store call (a backstop: keepalive finds a hung store in "
+                                        "seconds; a busy one may answer slowly)")
     lease_ms: int = field(3_000, "store lease length for this worker's reads and writes (renewed every third: a dead "
                                  "writer's blocks are free again within one)")
     tail_ttl_ms: int = field(30_000, "how long a request's handoff waits in the store for its decode: the "
