@@ -1,4 +1,4 @@
-"""A prefill worker killed before the first token reached the client: the router tries the
+"""A prefill worker killed (or stopped) before the first token reached the client: the router tries the
 request again on the other prefill worker with a fresh handoff, and the client gets exact
 tokens with no error. Mock engines (deterministic tokens, a slow prefill to kill mid-way)."""
 
@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 import uuid
+
+import pytest
 
 from pdserve.client import Client
 from pdserve.engine.config import EngineConfig
@@ -22,7 +24,8 @@ MIB = 1024 * 1024
 SLOW = '{"prefill_ms_per_token": 40}'  # a 100-token prompt takes 4 s on p0: time to kill it mid-prefill
 
 
-def test_a_prefill_killed_before_the_first_token_is_retried_on_another(shared_redis_url, tiny):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_prefill_lost_before_the_first_token_is_retried_on_another(shared_redis_url, tiny, sig):
     s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}")
     s.store = ServiceProcess("services.kvstore", "--model", "tiny", "--engine", "mock", "--device", "host",
                              "--device-bytes", str(16 * MIB), "--dram-bytes", str(32 * MIB), *s.common()).start()
@@ -49,7 +52,7 @@ def test_a_prefill_killed_before_the_first_token_is_retried_on_another(shared_re
         deadline = time.time() + 10
         while "prefill failed before the first token" not in s.router.log():
             if asyncio.run(load(s.prefills[0].address, "prefill")).running_requests:
-                s.prefills[0].signal(signal.SIGKILL)  # mid-prefill: nothing streamed yet
+                s.prefills[0].signal(sig)  # mid-prefill: nothing streamed yet (stopped: keepalive finds it)
                 break
             assert time.time() < deadline, "the request never reached p0"
             time.sleep(0.05)
@@ -74,4 +77,6 @@ def test_a_prefill_killed_before_the_first_token_is_retried_on_another(shared_re
 
         asyncio.run(audit())
     finally:
+        if sig == signal.SIGSTOP:
+            s.prefills[0].signal(signal.SIGCONT)
         s.stop()
