@@ -83,6 +83,7 @@ def test_non_finite_and_out_of_range_sampling_is_refused_by_the_router(stack, fi
     with Client(stack.router.address) as c:
         cls, msg, seconds = _refused(lambda: c.generate(ids(20, 1), max_tokens=4, **{field: value}))
     assert cls is errors.InvalidArgument and field in msg and seconds < 1.0
+    print(f"\nFAULT {field}={value} at the router: INVALID_ARGUMENT in {seconds * 1e3:.0f} ms")
 
 
 def test_every_worker_refuses_bad_sampling_itself_and_a_forged_first_token(stack, engine):
@@ -188,6 +189,8 @@ def test_a_15mb_prompt_is_refused_at_once_and_other_streams_do_not_stall(stack, 
     assert got == expected(engine, ids(30, 3), 150)
     # Under 100 ms, or (on a machine too busy for that) within twice what the stream alone saw.
     assert max(gaps) < max(0.1, 2 * max(quiet)), f"stalled {max(gaps) * 1e3:.0f} ms, alone {max(quiet) * 1e3:.0f}"
+    print(f"\nFAULT 15 MB prompt: INVALID_ARGUMENT in {float(out[1]):.2f}s; other stream's longest gap "
+          f"{max(gaps) * 1e3:.0f} ms (alone {max(quiet) * 1e3:.0f} ms)")
     _healthy_and_clean(stack, engine)
 
 
@@ -215,6 +218,7 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(stack, eng
         cls, msg, seconds = _refused(lambda: c.generate(ids(25, 5), request_id=rid, max_tokens=4))
     t.join(60)
     assert cls is errors.AlreadyExists and "already in flight" in msg and seconds < 1.0
+    print(f"\nFAULT duplicate request_id: ALREADY_EXISTS in {seconds * 1e3:.0f} ms, first request exact")
     assert first == expected(engine, ids(25, 4), 80)
     with Client(stack.router.address) as c:  # the id is free again once the first has ended
         assert c.generate(ids(25, 5), request_id=rid, max_tokens=4, ignore_eos=True).token_ids == expected(

@@ -81,6 +81,7 @@ def test_200_requests_cancelled_at_random_phases_leave_nothing_held(stack):
     got = asyncio.run(run())
     assert sum(1 for g in got if 0 < g < 40) >= N // 2  # cut mid-stream, not only before or after
     _audit(stack)
+    print(f"\nFAULT {N} cancels at random phases: {sum(1 for g in got if 0 < g < 40)} mid-stream, nothing held after")
     with Client(stack.router.address) as c:  # every id is free again
         assert len(c.generate([1, 2, 3], request_id="c7", max_tokens=3, ignore_eos=True).token_ids) == 3
 
@@ -106,4 +107,5 @@ def test_a_workers_cancel_rpc_ends_its_stream_at_once(stack):
 
     found, code, seconds = asyncio.run(run())
     assert found and code == grpc.StatusCode.CANCELLED and seconds < 2.0
+    print(f"\nFAULT Cancel RPC mid-stream: {code.name} in {seconds:.3f}s")
     _audit(stack)

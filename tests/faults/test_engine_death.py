@@ -48,6 +48,7 @@ def test_a_stuck_step_stops_the_worker_and_fails_its_request_fast(shared_redis_u
         assert code == grpc.StatusCode.UNAVAILABLE and "engine has stopped" in details and "step has run" in details
         assert seconds < 5.0
         assert decode.proc.wait(10) == EXIT_ENGINE_DEAD
+        print(f"\nFAULT engine step stuck: {code.name} in {seconds:.2f}s, worker exit {EXIT_ENGINE_DEAD}")
         assert "worker exiting: its engine stopped" in decode.log()
     finally:
         s.stop()

@@ -65,6 +65,8 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tin
         assert result.route["decode"] == survivor.address
         assert "migrating the request to another decode worker" in stack.router.log()
         assert max(gaps) < 10.0  # a stopped decode is found by keepalive in seconds
+        print(f"\nFAULT decode {sig.name} mid-stream: OK (migrated), longest gap {max(gaps):.2f}s, "
+              f"{MAX_TOKENS} tokens identical")
         with Client(stack.router.address) as c:  # the pool serves on
             assert c.generate(prompt[:20], max_tokens=5, ignore_eos=True).route["decode"] == survivor.address
     finally:

@@ -51,7 +51,8 @@ def test_a_burst_is_served_exactly_or_refused_fast(shared_redis_url, tiny):
         assert len(full) + len(waited) == len(refused)
         assert all(t < 1.0 for t in full), full  # refused at once: not after a wait
         assert all(t < 3.0 for t in waited), waited  # the 1 s queue bound, and the machine's noise
-        print(f"served {len(served)}, refused at once {len(full)} (max {max(full, default=0) * 1e3:.0f} ms), "
+        print(f"\nFAULT 10x burst: served {len(served)}, refused at once {len(full)} "
+              f"(max {max(full, default=0) * 1e3:.0f} ms), "
               f"after the queue {len(waited)}")
 
         async def audit():

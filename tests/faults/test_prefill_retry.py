@@ -61,6 +61,8 @@ def test_a_prefill_lost_before_the_first_token_is_retried_on_another(shared_redi
         r = out["result"]
         assert r.token_ids == want and r.finish_reason == "length"
         assert r.route["prefill"] == s.prefills[1].address
+        print(f"\nFAULT prefill {sig.name} before the first token: OK (retried), "
+              f"ttft {r.timings['ttft_ms'] / 1e3:.2f}s")
         assert "prefill failed before the first token: trying another prefill worker" in s.router.log()
         with Client(s.router.address) as c:  # and the next request is served as usual
             assert c.generate(prompt[:50], max_tokens=4, ignore_eos=True).route["prefill"] == s.prefills[1].address
