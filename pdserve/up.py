@@ -1,6 +1,11 @@
-"""`pdserve up`: the whole stack on one machine — Redis (the one at REDIS_URL, or our own), the
-store, N prefill and M decode workers and the router, each its own process. Ctrl-C / SIGTERM
-stops everything it started, by pid, in reverse order.
+"""`pdserve up`: the whole stack on one machine — Redis, the store, N prefill and M decode workers
+and the router, each its own process. Ctrl-C / SIGTERM stops everything it started, by pid, in
+reverse order.
+
+Redis: without `--redis-url` (or REDIS_URL) it starts a redis-server of its own, which leaves with
+it. Given a URL, the stack's keys live under a prefix unique to the run (unless `--key-prefix`
+names one), and `up` deletes every key under that prefix once its processes have stopped, so a
+user's Redis keeps nothing of the run (`--keep-keys` to keep them).
 
 It makes the stack's credentials (a service token, one client API key) and prints the key as
 `PDSERVE_API_KEY=<key>`, a line to paste into a shell for the SDK and the CLI."""
@@ -13,7 +18,10 @@ import signal
 import sys
 import threading
 import time
+import uuid
 
+from pdserve.cluster import REDIS_DOWN
+from pdserve.cluster.cleanup import delete_prefix
 from pdserve.runtime import auth
 from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 
@@ -26,18 +34,24 @@ class Stack:
         self.redis: RedisServer | None = None
         self.procs: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
+        self.redis_url = ""  # set once the stack's Redis is known
+        self.key_prefix = args.key_prefix or f"pdserve-up-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def start(self) -> str:
         a = self.args
-        redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-        if not redis_reachable(redis_url):
+        if a.redis_url:
+            if not redis_reachable(a.redis_url):
+                raise RuntimeError(f"no Redis answers at {auth.redact_url(a.redis_url)}")
+            self.redis_url = a.redis_url
+            say(f"redis {auth.redact_url(a.redis_url)}, keys under {self.key_prefix}:")
+        else:
             self.redis = RedisServer().start()
-            say(f"no Redis at {auth.redact_url(redis_url)}: started our own at {self.redis.url}")
-            redis_url = self.redis.url
+            self.redis_url = self.redis.url
+            say(f"started our own redis at {self.redis.url}")
         # Secrets reach the processes by environment only: the Redis URL may hold a password, and
         # the stack's own service token and API key are fresh for this run.
-        os.environ.update({**auth.stack_secrets(), "PDSERVE_REDIS_URL": redis_url})
-        common = ["--key-prefix", a.key_prefix or f"pdserve-up-{os.getpid()}"]
+        os.environ.update({**auth.stack_secrets(), "PDSERVE_REDIS_URL": self.redis_url})
+        common = ["--key-prefix", self.key_prefix]
         model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
         store = self._add(ServiceProcess("services.kvstore", *model, *common,
                                          "--device-bytes", str(a.store_device_mib << 20),
@@ -83,6 +97,12 @@ class Stack:
             p.stop()
         if self.redis:
             self.redis.stop()
+        elif self.redis_url and not self.args.keep_keys:
+            try:
+                n = delete_prefix(self.redis_url, self.key_prefix)
+                say(f"deleted {n} redis keys under {self.key_prefix}:")
+            except (*REDIS_DOWN, TimeoutError) as e:
+                say(f"could not delete the keys under {self.key_prefix}: ({e}); they expire on their own")
 
 
 def say(msg: str) -> None:
@@ -143,7 +163,11 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50050, help="router port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=-1, help="router /metrics port (-1: off)")
     p.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"])
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
+                   help="a Redis to use (default: env REDIS_URL, else a redis-server of our own); its keys "
+                        "under the run's prefix are deleted on exit")
     p.add_argument("--key-prefix", default="", help="Redis key prefix (default: one per run)")
+    p.add_argument("--keep-keys", action="store_true", help="leave the run's keys in --redis-url on exit")
     p.add_argument("--store-device-mib", type=int, default=256)
     p.add_argument("--store-dram-mib", type=int, default=1024)
     p.add_argument("--demo-prompt", default="", help="send this request once the stack is up, streaming it")

@@ -143,7 +143,7 @@ def test_a_gap_in_an_owners_events_makes_the_mirror_reread_its_key(shared_redis_
     asyncio.run(scenario())
 
 
-def test_mirror_stops_when_redis_stops_and_resyncs_when_it_returns(private_redis, key_prefix):
+def test_mirror_answers_from_its_last_copy_while_redis_is_down_and_resyncs_when_it_returns(private_redis, key_prefix):
     keys = RedisKeys(key_prefix)
     chain = _chain(4, 8)
 
@@ -161,12 +161,14 @@ def test_mirror_stops_when_redis_stops_and_resyncs_when_it_returns(private_redis
                                                      socket_connect_timeout=0.5), keys, block_ms=100)
         mirror.start()
         try:
-            await wait_for(lambda: mirror.live and mirror.worker_hashes("w") == frozenset(chain[:5]))
+            await wait_for(lambda: mirror.tailing and mirror.worker_hashes("w") == frozenset(chain[:5]))
             private_redis.stop()
-            await wait_for(lambda: not mirror.live)
+            await wait_for(lambda: not mirror.tailing)
+            # Meanwhile look-ups are answered from the last copy, without Redis.
+            assert mirror.live and mirror.lookup(chain, ["w"]).worker_blocks == {"w": 5}
             cached[:] = chain
             private_redis.start()  # empty: Redis kept nothing; the worker republishes its whole set
-            await wait_for(lambda: mirror.live and mirror.worker_hashes("w") == frozenset(chain))
+            await wait_for(lambda: mirror.tailing and mirror.worker_hashes("w") == frozenset(chain))
             assert mirror.lookup(chain, ["w"]).worker_blocks == {"w": 8}
         finally:
             await mirror.stop()
@@ -243,6 +245,33 @@ def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_to
             await index.flush()
             assert await r.hgetall(keys.store_index()) == {
                 a.hex().encode(): b"dram", c.hex().encode(): b"dram", d.hex().encode(): b"device"}
+        finally:
+            await r.delete(keys.store_index(), keys.index_events())
+            await r.aclose()
+            await index.redis.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_store_index_is_rebuilt_when_its_key_vanishes_while_redis_stays_up(shared_redis_url, key_prefix):
+    """A flushed or deleted index (no connection error to tell of it) is noticed by the next flush
+    and written whole by the one after; the stream and the index both carry a TTL."""
+    keys = RedisKeys(key_prefix)
+    held = _chain(9, 3)
+
+    async def go():
+        index = RedisIndex(shared_redis_url, keys, lambda: [(h, "device") for h in held])
+        r = aioredis.Redis.from_url(shared_redis_url)
+        try:
+            await index.flush()
+            assert len(await r.hkeys(keys.store_index())) == 3
+            await r.delete(keys.store_index())
+            await index.flush()  # sees it gone
+            await index.flush()  # rebuilds it, with a reset event for the mirrors
+            assert {bytes.fromhex(k.decode()) for k in await r.hkeys(keys.store_index())} == set(held)
+            events = [IndexEvent.parse(f) for _, f in await r.xrange(keys.index_events())]
+            assert [e.reset for e in events] == [True, True]
+            assert await r.ttl(keys.store_index()) > 0 and await r.ttl(keys.index_events()) > 0
         finally:
             await r.delete(keys.store_index(), keys.index_events())
             await r.aclose()

@@ -46,7 +46,9 @@ def test_cache_index_published_as_deltas_and_repaired(shared_redis_url, key_pref
         assert published() == {h(3000)} and reg._published is None
         await reg.beat()
         assert published() == cache and sync.ttl(index) > 0
-        await reg.stop()
-        assert not sync.exists(index) and not sync.exists(keys.worker("p0"))
+        assert 0 < sync.pttl(keys.worker("p0")) <= reg.ttl_ms and 0 < sync.ttl(keys.workers())
+        await reg.stop()  # leaving on purpose: the index goes, the record is a tombstone that lapses
+        assert not sync.exists(index) and set(sync.hgetall(keys.worker("p0"))) == {b"left"}
+        assert 0 < sync.pttl(keys.worker("p0")) <= reg.ttl_ms
 
     asyncio.run(scenario())

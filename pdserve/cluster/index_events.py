@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
 
-from pdserve.cluster.keys import INDEX_EVENTS_MAXLEN, RedisKeys
+from pdserve.cluster.keys import INDEX_EVENTS_MAXLEN, INDEX_TTL_S, RedisKeys
 
 HASH_BYTES = 16  # block hashes are 16 bytes; events carry them packed, back to back
 STORE_OWNER = "store"
@@ -67,3 +67,4 @@ class EventWriter:
         self._seq += 1
         event = IndexEvent(self.owner, self._seq, reset, tuple(added), tuple(removed))
         pipe.xadd(self.keys.index_events(), event.fields(), maxlen=INDEX_EVENTS_MAXLEN, approximate=True)
+        pipe.expire(self.keys.index_events(), INDEX_TTL_S)  # (a deployment that is gone leaves no stream)

@@ -10,8 +10,13 @@ also drops an index whose owner vanished without a word (its key lapsed).
 
 With the mirror a routing decision needs no round trip: a look-up of an 8,192-token prompt
 against 8 workers is tens of microseconds of Python instead of a Redis call that queues behind
-every other client of the server. While the mirror is not live (starting, Redis down) the router
-asks Redis as before.
+every other client of the server. Until the first snapshot the router asks Redis as before.
+
+Redis is advisory: when it stops answering (down, stalled, restarted) the mirror keeps answering
+from its last copy for `stale_s` (the workers' caches outlive Redis; a stale hint costs a miss,
+a Redis call on the request path would cost its timeout) and re-snapshots as soon as Redis
+answers. After a restart that lost everything the snapshot is empty and the index is rebuilt by
+its writers' reset events (each worker and the store rewrite their whole key when Redis returns).
 """
 
 from __future__ import annotations
@@ -74,12 +79,15 @@ def leading_runs(chain: list[bytes], workers: dict[str, set[bytes] | frozenset[b
 class IndexMirror:
     """Owns the router's copy of the index: one set of hashes per prefill worker, one for the store."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, block_ms: int = 250, resync_s: float = 60.0):
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, block_ms: int = 250, resync_s: float = 60.0,
+                 stale_s: float = 30.0):
         self.redis = redis  # its own client: a blocking stream read holds a connection
         self.keys = keys
         self.block_ms = block_ms
         self.resync_s = resync_s
-        self.live = False
+        self.stale_s = stale_s
+        self.tailing = False  # snapshot taken and the stream followed since
+        self._lost_at: float | None = None  # when tailing stopped after a snapshot (None: never synced)
         self.reloads = 0  # owners re-read after a reset or a gap (tests read it)
         self._workers: dict[str, set[bytes]] = {}
         self._store: set[bytes] = set()
@@ -88,6 +96,14 @@ class IndexMirror:
         self._synced_at = 0.0
         self._task: asyncio.Task | None = None
         self._warned = False
+
+    @property
+    def live(self) -> bool:
+        """Whether look-ups may be answered here: tailing, or Redis stopped answering less than
+        `stale_s` ago (the last copy)."""
+        if self.tailing:
+            return True
+        return self._lost_at is not None and time.monotonic() - self._lost_at < self.stale_s
 
     def lookup(self, chain: list[bytes], worker_ids: list[str]) -> PrefixHits:
         empty: frozenset[bytes] = frozenset()
@@ -165,15 +181,18 @@ class IndexMirror:
     async def _run(self) -> None:
         while True:
             try:
-                if not self.live or time.monotonic() - self._synced_at > self.resync_s:
+                if not self.tailing or time.monotonic() - self._synced_at > self.resync_s:
                     await self.sync()
-                    if not self.live:
+                    if not self.tailing:
                         log.info("prefix index mirrored", workers=len(self._workers), store_blocks=len(self._store))
-                    self.live, self._warned = True, False
+                    self.tailing, self._warned = True, False
                 await self.poll()
             except (aioredis.RedisError, OSError, ValueError) as e:
-                if self.live or not self._warned:
-                    log.warning("prefix index mirror stopped: look-ups go to Redis until it resyncs", error=str(e))
+                if self.tailing or not self._warned:
+                    log.warning("prefix index mirror stopped: answering from its last copy until it resyncs",
+                                error=str(e))
                     self._warned = True
-                self.live = False
-                await asyncio.sleep(0.5)
+                if self.tailing:
+                    self._lost_at = time.monotonic()
+                self.tailing = False
+                await asyncio.sleep(0.25)

@@ -1,4 +1,6 @@
-"""Every Redis key pdserve uses, in one place. All live under one prefix; all are bounded."""
+"""Every Redis key pdserve uses, in one place. All live under one prefix; all are bounded: each
+has a TTL its owner refreshes (so a deployment that vanishes leaves nothing behind for long) and,
+where it could grow while its owner lives, a cap."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ WINDOW_S = 60  # hit-rate counters are kept per minute ...
 KEEP_WINDOWS = 60  # ... for an hour
 INDEX_TTL_S = 600  # an index whose owner stops refreshing it disappears
 INDEX_EVENTS_MAXLEN = 20_000  # change events kept for routers' mirrors (minutes of history)
+HEARTBEAT_TTLS = 3  # a worker's registration lives this many heartbeat intervals past its last beat
+WORKERS_TTL_S = 600  # the workers ZSET itself, refreshed by every beat
 
 
 def window_start(now: float | None = None) -> int:
@@ -21,26 +25,33 @@ class RedisKeys:
     prefix: str = "pdserve"
 
     def store_index(self) -> str:
-        """HASH block-hash hex -> tier ("device" | "dram"); the store's contents."""
+        """HASH block-hash hex -> tier ("device" | "dram"); the store's contents (capped by its
+        slots; TTL INDEX_TTL_S, refreshed by each flush)."""
         return f"{self.prefix}:index:store"
 
     def worker_index(self, worker: str) -> str:
-        """SET of block-hash hex held in a worker's own prefix cache (capped by its pages)."""
+        """SET of block-hash hex held in a worker's own prefix cache (capped by its pages; expires
+        with its registration)."""
         return f"{self.prefix}:index:worker:{worker}"
 
     def index_events(self) -> str:
-        """STREAM of prefix-index changes (capped at INDEX_EVENTS_MAXLEN), written in the same
-        transaction as the index keys they change; routers tail it to keep a local mirror."""
+        """STREAM of prefix-index changes (capped at INDEX_EVENTS_MAXLEN, TTL INDEX_TTL_S refreshed
+        by each writer), written in the same transaction as the index keys they change; routers
+        tail it to keep a local mirror."""
         return f"{self.prefix}:index:events"
 
     def hits(self, scope: str, window: int) -> str:
-        """HASH of counters (hit_blocks, miss_blocks, hit_tokens, lookup_tokens) for one window."""
+        """HASH of counters (hit_blocks, miss_blocks, hit_tokens, lookup_tokens) for one window
+        (TTL WINDOW_S * KEEP_WINDOWS)."""
         return f"{self.prefix}:hits:{scope}:{window}"
 
     def worker(self, worker: str) -> str:
-        """HASH: a worker's registration and load; expires unless its heartbeat refreshes it."""
+        """HASH: a worker's registration and load; expires HEARTBEAT_TTLS intervals after its last
+        beat. A worker that leaves on purpose overwrites it with a tombstone ({"left": time})
+        that expires likewise, so routers can tell leaving from Redis having lost the record."""
         return f"{self.prefix}:worker:{worker}"
 
     def workers(self) -> str:
-        """ZSET worker id -> last heartbeat time (pruned of lapsed workers by readers)."""
+        """ZSET worker id -> last heartbeat time; each router's registry read removes the ids
+        whose HASH is gone (lapsed workers), and the set expires WORKERS_TTL_S after the last beat."""
         return f"{self.prefix}:workers"

@@ -3,11 +3,16 @@ and the hit-rate counters, per worker and for the store, in time windows."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from pdserve import logs
 from pdserve.cluster.keys import KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+
+log = logs.get("router.hits")
+COUNTER_RETRY_S = 0.5  # between tries to write counters while Redis does not answer
 
 
 @dataclass(frozen=True)
@@ -87,10 +92,15 @@ return out
 
 
 class PrefixIndex:
+    """Look-ups, and the hit counters not yet written to Redis (owned here: `record` only adds to
+    them; one background task writes them, so a stalled Redis never delays a request)."""
+
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys):
         self.redis = redis
         self.keys = keys
         self._script = redis.register_script(_LEADING_RUNS)
+        self._pending: dict[tuple[str, int], dict[str, int]] = {}  # (scope, window) -> field -> count
+        self._writer: asyncio.Task | None = None
 
     async def lookup(self, hashes: list[bytes], worker_ids: list[str]) -> PrefixHits:
         """One round trip; Redis itself counts each leading run and returns only the counts."""
@@ -103,13 +113,41 @@ class PrefixIndex:
                           dict(zip(worker_ids, counts[w + 1:], strict=True)))
 
     async def record(self, scope: str, lookup_tokens: int, expected_hit_tokens: int, hit_tokens: int) -> None:
-        key = self.keys.hits(scope, window_start())
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hincrby(key, "lookup_tokens", lookup_tokens)
-        pipe.hincrby(key, "expected_hit_tokens", expected_hit_tokens)
-        pipe.hincrby(key, "hit_tokens", hit_tokens)
-        pipe.expire(key, WINDOW_S * KEEP_WINDOWS)
-        await pipe.execute()
+        """Counts one request; returns at once (the counters reach Redis from a background task)."""
+        counts = self._pending.setdefault((scope, window_start()), {})
+        for name, n in (("lookup_tokens", lookup_tokens), ("expected_hit_tokens", expected_hit_tokens),
+                        ("hit_tokens", hit_tokens)):
+            counts[name] = counts.get(name, 0) + n
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        """Writes the pending counters until none are left; while Redis does not answer, keeps them
+        (only the windows Redis would still keep: bounded) and tries again."""
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            pipe = self.redis.pipeline(transaction=False)
+            for (scope, window), counts in batch.items():
+                key = self.keys.hits(scope, window)
+                for name, n in counts.items():
+                    pipe.hincrby(key, name, n)
+                pipe.expire(key, WINDOW_S * KEEP_WINDOWS)
+            try:
+                await pipe.execute()
+            except (aioredis.RedisError, OSError) as e:
+                log.debug("hit counters not written yet", error=str(e))
+                kept_from = window_start() - WINDOW_S * (KEEP_WINDOWS - 1)
+                for (scope, window), counts in batch.items():
+                    if window >= kept_from:
+                        merged = self._pending.setdefault((scope, window), {})
+                        for name, n in counts.items():
+                            merged[name] = merged.get(name, 0) + n
+                await asyncio.sleep(COUNTER_RETRY_S)
+
+    async def flush(self) -> None:
+        """Waits for the counters recorded so far to be written (tests, shutdown)."""
+        if self._writer is not None:
+            await self._writer
 
     async def totals(self, scope: str, windows: int = KEEP_WINDOWS) -> dict[str, int]:
         now = window_start()

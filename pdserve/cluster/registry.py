@@ -5,7 +5,9 @@ id, role, address and profile: what decides where prompts go), so anyone who can
 but lacks the token cannot point the router at a worker of their own.
 
 Also publishes the worker's own prefix-cache contents (bounded by its pages) to the prefix index.
-Redis down: the worker keeps serving and says so once; registration resumes when Redis answers.
+Redis down: the worker keeps serving and says so once, and tries again every RETRY_S, so that
+once Redis answers (empty, after a restart) the record and the whole cache index are back within
+a fraction of a second, not a heartbeat later.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import redis.asyncio as aioredis
 
 from pdserve import logs
 from pdserve.cluster.index_events import EventWriter, worker_owner
-from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.keys import HEARTBEAT_TTLS, WORKERS_TTL_S, RedisKeys
 from pdserve.kv.layout import HashProfile
 from pdserve.runtime.tasks import cancel_and_wait
 
 log = logs.get("registry")
+RETRY_S = 0.2  # between tries while Redis does not answer
 
 
 def profile_json(p: HashProfile) -> str:
@@ -80,12 +83,22 @@ class Registration:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def ttl_ms(self) -> int:
+        """How long the record outlives the last beat (written into it, so routers know how
+        long a missing record may just be Redis having lost it)."""
+        return max(1000, int(self.interval_s * HEARTBEAT_TTLS * 1000))
+
     async def stop(self) -> None:
+        """Leave on purpose: the cache index goes, and the record becomes a tombstone that routers
+        read as "gone now" (a record that is merely missing gets a grace: Redis may have lost it)."""
         await cancel_and_wait(self._task)
         try:
-            pipe = self.redis.pipeline()
-            pipe.delete(self.keys.worker(self.worker_id), self.keys.worker_index(self.worker_id))
-            pipe.zrem(self.keys.workers(), self.worker_id)
+            pipe = self.redis.pipeline(transaction=True)
+            key = self.keys.worker(self.worker_id)
+            pipe.delete(key, self.keys.worker_index(self.worker_id))
+            pipe.hset(key, mapping={"left": str(time.time())})
+            pipe.pexpire(key, self.ttl_ms)
             self._events.queue(pipe, reset=True)
             await pipe.execute()
         except (aioredis.RedisError, OSError):
@@ -93,14 +106,17 @@ class Registration:
         await self.redis.aclose()
 
     async def beat(self) -> None:
-        ttl = max(1, int(self.interval_s * 3))
+        ttl_ms = self.ttl_ms
         now = time.time()
         # One transaction: a reader never sees the cache index half rewritten.
         pipe = self.redis.pipeline(transaction=True)
         key = self.keys.worker(self.worker_id)
-        pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now)})
-        pipe.expire(key, ttl)
+        pipe.delete(key)  # (a tombstone an earlier run of this worker id left)
+        pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now),
+                                "ttl_ms": str(ttl_ms)})
+        pipe.pexpire(key, ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now})
+        pipe.expire(self.keys.workers(), WORKERS_TTL_S)
         if self.cached_hashes is None:
             await pipe.execute()
             return
@@ -120,7 +136,7 @@ class Registration:
         if self._published is None or added or removed:
             self._events.queue(pipe, reset=self._published is None, added=added, removed=removed)
         pipe.scard(index)
-        pipe.expire(index, ttl)
+        pipe.pexpire(index, ttl_ms)
         results = await pipe.execute()
         # A set of another size than ours lapsed while this worker stalled, or Redis lost it: the
         # next beat writes the whole set again.
@@ -130,6 +146,8 @@ class Registration:
         while True:
             try:
                 await self.beat()
+                if self._published is None and self.cached_hashes is not None:
+                    await self.beat()  # the set diverged (Redis lost it): whole now, not a beat later
                 if not self.connected:
                     log.info("registered in redis", worker=self.worker_id, role=self.fields["role"])
                 self.connected = True
@@ -140,16 +158,24 @@ class Registration:
                     self._warned = True
                 self.connected = False
                 self._published = None  # republish the whole set once Redis is back
+                await asyncio.sleep(min(self.interval_s, RETRY_S))
+                continue
             await asyncio.sleep(self.interval_s)
 
 
 async def read_registrations(redis: aioredis.Redis, keys: RedisKeys) -> list[tuple[str, dict[str, str]]]:
-    """Every registered worker's id and record (an expired record, whose heartbeat lapsed, is left
-    out). Raises what Redis raises when it cannot be reached."""
+    """Every registered worker's id and record, tombstones ({"left": time}) included. An id whose
+    record expired (its heartbeat lapsed) is left out and removed from the workers set, so the set
+    never keeps a crashed worker. Raises what Redis raises when it cannot be reached."""
     ids = await redis.zrange(keys.workers(), 0, -1)
     pipe = redis.pipeline(transaction=False)
     for wid in ids:
         pipe.hgetall(keys.worker(wid.decode()))
     records = await pipe.execute()
+    lapsed = [wid for wid, rec in zip(ids, records, strict=True) if not rec]
+    if lapsed:
+        # (A worker that re-registers between the read and this loses its id until its next
+        # beat re-adds it; routers give a missing record a grace, so that costs nothing.)
+        await redis.zrem(keys.workers(), *lapsed)
     return [(wid.decode(), {k.decode(): v.decode() for k, v in rec.items()})
             for wid, rec in zip(ids, records, strict=True) if rec]

@@ -1,7 +1,8 @@
 """Mirrors the store's contents and hit counters into Redis, off the request path.
 
 Redis down: the store keeps serving; changes accumulate (latest state per key), and once Redis
-answers again the whole index is rebuilt from the store's contents.
+answers again the whole index is rebuilt from the store's contents. So is an index that vanished
+while Redis stayed up (flushed, deleted): each flush checks the key still exists when it should.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class RedisIndex:
         self.interval_s = interval_s
         self.connected = False
         self._rebuild = True  # first flush writes the whole index
+        self._indexed = False  # the index held something after the last flush (so it must exist)
         # Changes not yet in Redis, in order: (key, tier or None for dropped) or a commit's
         # keys and tiers, paired up at the flush (off the commit's path; later changes to them
         # come later in the log).
@@ -147,6 +149,7 @@ class RedisIndex:
         index = self.keys.store_index()
         # A transaction: the index and its change event land together (see index_events).
         pipe = self.redis.pipeline(transaction=True)
+        pipe.exists(index)
         if self._rebuild:
             pending, self._log = {}, []
             pipe.delete(index)
@@ -165,11 +168,17 @@ class RedisIndex:
             pipe.hincrby(window, "hit_blocks", hits)
             pipe.hincrby(window, "miss_blocks", misses)
             pipe.expire(window, WINDOW_S * KEEP_WINDOWS)
+        pipe.hlen(index)
         try:
-            await pipe.execute()
+            results = await pipe.execute()
         except BaseException:
             self._log[:0] = pending.items()  # not written: ahead of what came since, which wins
             raise
         self._hits -= hits
         self._misses -= misses
-        self._rebuild = False
+        existed, size = results[0], results[-1]
+        lost = self._indexed and not existed and not self._rebuild
+        if lost:
+            log.warning("the store's index vanished from redis: rebuilding it", index=index)
+        self._rebuild = lost  # (the changes just written went into a fresh key: the rebuild rewrites it)
+        self._indexed = size > 0

@@ -1,6 +1,10 @@
-"""The router's Status: pool, Redis, store and hit rates, read fresh on each call."""
+"""The router's Status: pool, Redis, store and hit rates, read fresh on each call. A worker is
+listed while the pool holds it (its registration lapsed past its grace: gone from both)."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import grpc
 
@@ -15,11 +19,13 @@ _ROLE = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_
 async def status(router: Router, store_address: str) -> router_pb2.StatusResponse:
     pool = router.pool
     workers = [router_pb2.WorkerStatus(
-        address=w.address, role=_ROLE[w.role], healthy=w.healthy and w.registered, refused_reason=w.refused_reason,
+        address=w.address, role=_ROLE[w.role], healthy=w.usable, refused_reason=w.refused_reason,
         load=common_pb2.WorkerLoad(**{k: int(v) for k, v in w.load.items() if k in _LOAD_FIELDS}))
         for w in sorted(pool.workers.values(), key=lambda w: (w.role, w.worker_id))]
     rates = []
     if pool.redis_ok:
+        with contextlib.suppress(TimeoutError):  # the counters this router recorded so far, written
+            await asyncio.wait_for(asyncio.shield(router.index.flush()), 0.5)
         try:
             for scope in ["all", "store", *sorted(w.worker_id for w in pool.workers.values() if w.role == "prefill")]:
                 t = await router.index.totals(scope)

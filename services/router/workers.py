@@ -1,15 +1,23 @@
 """The router's view of the worker pool: registrations from Redis, confirmed by gRPC health checks.
 
-A worker whose heartbeat lapses (its Redis hash expired) or whose health check fails stops
-receiving work, and comes back once both are fine again. A worker whose registration is not
-signed with the deployment's service token, or whose hash profile differs from the pool's, is
-refused (no channel is ever opened to it), with the reason logged once and shown in Status.
+Redis is advisory. A worker whose health check fails stops receiving work at once. A worker
+whose record is missing from Redis keeps receiving work while its health check says SERVING, for
+a grace of one heartbeat TTL (the one its last record gave) counted from when the record was
+first seen missing or Redis last became readable again, whichever is later: Redis restarted
+empty, or stalled, takes no worker out of the pool, and a worker that lost its registration for
+good leaves when the grace ends (and Status with it). While Redis does not answer at all, the
+last known pool stands. A worker that leaves on purpose leaves a tombstone: out at once.
+
+A worker whose registration is not signed with the deployment's service token, or whose hash
+profile differs from the pool's, is refused (no channel is ever opened to it), with the reason
+logged once and shown in Status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,6 +33,7 @@ from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 log = logs.get("router.workers")
+DEFAULT_GRACE_S = 3.0  # for a record that does not say its heartbeat TTL
 
 
 @dataclass
@@ -35,7 +44,10 @@ class WorkerView:
     signature: str = ""  # the registration's `sig`: a new one is judged afresh
     load: dict = field(default_factory=dict)
     healthy: bool = False
-    registered: bool = True
+    checked: bool = False  # its health was asked at least once
+    registered: bool = True  # its record is in Redis, or missing within the grace
+    missing_since: float | None = None  # monotonic time its record was first seen missing
+    grace_s: float = DEFAULT_GRACE_S  # its heartbeat TTL, from its last record
     refused_reason: str = ""
     channel: grpc.aio.Channel | None = None
     stub: object = None
@@ -55,8 +67,18 @@ class WorkerView:
         return self.healthy and self.registered and not self.refused_reason
 
 
+def _grace_s(rec: dict[str, str]) -> float:
+    """How long the worker's record may be missing before it counts as gone: its heartbeat TTL."""
+    try:
+        ttl_s = int(rec.get("ttl_ms", "")) / 1000
+    except ValueError:
+        return DEFAULT_GRACE_S
+    return min(max(ttl_s, 0.5), 60.0)
+
+
 class WorkerPool:
-    """Owns the router's worker views and their channels; refreshed by one background task."""
+    """Owns the router's worker views and their channels, and `redis_ok`; refreshed by one
+    background task (the request path only reads them, and marks a worker failed)."""
 
     def __init__(self, redis: Redis, keys: RedisKeys, profile: HashProfile, refresh_s: float,
                  service_token: str = ""):
@@ -69,7 +91,9 @@ class WorkerPool:
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerView] = {}
         self.redis_ok = False
+        self._readable_since = 0.0  # monotonic time Redis last became readable after not being so
         self._task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # channels of workers that left, closing
         self._warned = False
 
     def usable(self, role: str) -> list[WorkerView]:
@@ -93,8 +117,10 @@ class WorkerPool:
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:
-        await self._read_registry()
-        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+        # Health checks do not wait on Redis: a stalled Redis must not slow them.
+        await asyncio.gather(self._read_registry(), *(self._check(w) for w in list(self.workers.values())))
+        new = [w for w in self.workers.values() if not w.checked]
+        await asyncio.gather(*(self._check(w) for w in new))  # (joined just now: usable at once)
 
     async def _read_registry(self) -> None:
         try:
@@ -105,24 +131,48 @@ class WorkerPool:
                 self._warned = True
             self.redis_ok = False
             return
+        now = time.monotonic()
         if not self.redis_ok:
             log.info("redis reachable: cache-aware routing on")
+            self._readable_since = now
         self.redis_ok, self._warned = True, False
         seen = set()
         for wid, rec in records:
+            if "left" in rec and wid in self.workers:  # a tombstone: it left on purpose
+                self._forget(wid, "left")
+                continue
             if rec.get("role") not in ("prefill", "decode"):
                 continue
             seen.add(wid)
             view = self.workers.get(wid)
             if view is None or view.address != rec.get("address") or view.signature != rec.get("sig", ""):
+                if view is not None:
+                    self._forget(wid, "registered anew")
                 view = self.workers[wid] = self._new_view(wid, rec)
-            view.registered = True
+            view.registered, view.missing_since = True, None
             if not view.refused_reason:  # (a refused record's fields are never read: it may be anything)
                 view.load = json.loads(rec.get("load", "{}"))
-            view.inflight_blocks_at_read = view.inflight_blocks
-        for wid, view in self.workers.items():
-            if wid not in seen:
-                view.registered = False
+                view.inflight_blocks_at_read = view.inflight_blocks
+                view.grace_s = _grace_s(rec)
+        for wid, view in list(self.workers.items()):
+            if wid in seen:
+                continue
+            if view.missing_since is None:
+                view.missing_since = now
+                log.info("worker's registration missing: kept while healthy for its grace", worker=wid,
+                         grace_s=view.grace_s)
+            if now - max(view.missing_since, self._readable_since) > view.grace_s:
+                self._forget(wid, "registration lapsed")
+
+    def _forget(self, wid: str, reason: str) -> None:
+        """Out of the pool and of Status; its channel closes once the calls on it are done."""
+        view = self.workers.pop(wid)
+        view.registered = view.healthy = False
+        log.info("worker left", worker=wid, address=view.address, reason=reason)
+        if view.channel is not None:  # (calls still on it get a while to finish)
+            task = asyncio.get_running_loop().create_task(view.channel.close(grace=30.0 if view.inflight else None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _new_view(self, wid: str, rec: dict) -> WorkerView:
         view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""))
@@ -150,7 +200,7 @@ class WorkerPool:
             healthy = False
         if healthy != view.healthy:
             log.info("worker health changed", worker=view.worker_id, healthy=healthy)
-        view.healthy = healthy
+        view.healthy, view.checked = healthy, True
 
     def mark_failed(self, view: WorkerView) -> None:
         """A call to the worker failed as unreachable: stop sending it work until health says otherwise."""
