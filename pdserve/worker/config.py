@@ -29,8 +29,8 @@ class WorkerConfig:
     store: str = field("127.0.0.1:50051", "kvstore address")
     store_timeout_ms: int = field(5000, "deadline of each store call (a backstop: keepalive finds a hung store in "
                                         "seconds; a busy one may answer slowly)")
-    lease_ms: int = field(3_000, "store lease length for this worker's reads and writes (renewed every third: a dead "
-                                 "writer's blocks are free again within one)")
+    lease_ms: int = field(10_000, "store lease length for this worker's reads and writes (renewed every third; a "
+                                  "dead writer's blocks are free again within one)")
     tail_ttl_ms: int = field(30_000, "how long a request's handoff waits in the store for its decode: the "
                                          "partial last block, and the hold on its full blocks")
     offload_blocks: int = field(256, "prefill: staging pages for blocks its prefix cache evicts, on their way "
