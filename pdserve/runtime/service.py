@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -79,3 +80,9 @@ def run(name: str, main: Callable[[], Awaitable[None]]) -> None:
         asyncio.run(main())
     finally:
         telemetry.shutdown_tracing()
+    # Torn down in order above (drained, deregistered, segments closed). Interpreter finalization
+    # would now garbage-collect the whole heap (torch, the store's blocks): measured 1.5 s a
+    # process, for nothing. Exit now instead, logs flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -97,6 +97,10 @@ class Router:
         dcands = [DecodeCandidate(w.worker_id, w.free_blocks(), int(w.load.get("running_requests", 0)) + w.inflight)
                   for w in decodes]
         dchoice = self.policy.choose_decode(dcands, need)
+        largest = max((int(w.load.get("total_kv_blocks", 0)) for w in decodes), default=0)
+        if dchoice is None and 0 < largest < need:  # it never will: refused now, never queued
+            raise ResourceExhausted(f"no decode worker can admit {need} KV blocks: the largest holds {largest} in "
+                                    "all; shorten the prompt or max_tokens")
         if dchoice is None:
             raise NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
         decode = self.pool.workers[dchoice.worker_id]
