@@ -174,7 +174,7 @@ def test_mirror_answers_from_its_last_copy_while_redis_is_down_and_resyncs_when_
             await mirror.stop()
             await worker.stop()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 60))  # (once it hung a whole suite run: now it fails instead)
 
 
 def test_leading_runs_on_plain_sets():

@@ -30,7 +30,7 @@ from pdserve import logs
 from pdserve.cluster.index_events import STORE_OWNER, WORKER_OWNER, IndexEvent
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.prefix_index import PrefixHits
-from pdserve.runtime.tasks import cancel_and_wait
+from pdserve.runtime.tasks import bounded_close, cancel_and_wait
 
 log = logs.get("router.mirror")
 
@@ -120,7 +120,7 @@ class IndexMirror:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
-        await self.redis.aclose()
+        await bounded_close(self.redis)
 
     async def sync(self) -> None:
         """Snapshot every index key; the stream is then read from the event before the snapshot."""

@@ -25,7 +25,7 @@ from pdserve import logs
 from pdserve.cluster.index_events import EventWriter, worker_owner
 from pdserve.cluster.keys import HEARTBEAT_TTLS, WORKERS_TTL_S, RedisKeys
 from pdserve.kv.layout import HashProfile
-from pdserve.runtime.tasks import cancel_and_wait
+from pdserve.runtime.tasks import bounded_close, cancel_and_wait
 
 log = logs.get("registry")
 RETRY_S = 0.2  # between tries while Redis does not answer
@@ -103,7 +103,7 @@ class Registration:
             await pipe.execute()
         except (aioredis.RedisError, OSError):
             pass
-        await self.redis.aclose()
+        await bounded_close(self.redis)
 
     async def beat(self) -> None:
         ttl_ms = self.ttl_ms

@@ -5,12 +5,26 @@ from __future__ import annotations
 import asyncio
 
 
-async def cancel_and_wait(task: asyncio.Task | None) -> None:
-    """Cancel a background loop and wait until it has ended, so nothing it does lands after."""
+async def cancel_and_wait(task: asyncio.Task | None, timeout_s: float = 5.0) -> None:
+    """Cancel a background loop and wait until it has ended, so nothing it does lands after;
+    bounded, like every wait: a loop that will not end is left behind, and said so."""
     if task is None:
         return
     task.cancel()
+    done, _ = await asyncio.wait([task], timeout=timeout_s)
+    if not done:
+        from pdserve import logs
+
+        logs.get("pdserve.runtime.tasks").warning("a background task did not end when cancelled",
+                                                  task=task.get_name(), waited_s=timeout_s)
+        return
+    if not task.cancelled():
+        task.exception()  # retrieved: a failure was the task's own to report; stopping it is all asked here
+
+
+async def bounded_close(client, timeout_s: float = 2.0) -> None:
+    """Close a client (a Redis connection pool, a channel) without waiting on a dead peer forever."""
     try:
-        await task
-    except asyncio.CancelledError:
+        await asyncio.wait_for(client.aclose(), timeout_s)
+    except (TimeoutError, OSError):
         pass
