@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve import logs
+
+log = logs.get("pdserve.runtime.tasks")
+
 
 async def cancel_and_wait(task: asyncio.Task | None, timeout_s: float = 5.0) -> None:
     """Cancel a background loop and wait until it has ended, so nothing it does lands after;
@@ -13,9 +17,7 @@ async def cancel_and_wait(task: asyncio.Task | None, timeout_s: float = 5.0) -> 
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=timeout_s)
     if not done:
-        from pdserve import logs
-
-        logs.get("pdserve.runtime.tasks").warning("a background task did not end when cancelled",
+        log.warning("a background task did not end when cancelled",
                                                   task=task.get_name(), waited_s=timeout_s)
         return
     if not task.cancelled():
