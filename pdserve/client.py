@@ -56,14 +56,42 @@ class Result:
     route: dict = field(default_factory=dict)
 
 
-def _request(prompt: str | list[int], request_id: str, max_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-             ignore_eos: bool = False) -> router_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    if seed is not None:
-        sampling.seed = seed
-    req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+SAMPLING = {"max_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop_token_ids": (),
+            "ignore_eos": False}  # the keyword arguments generate/stream take, with their defaults
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise errors.InvalidArgument(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _request(method: str, prompt: str | list[int], request_id: str, sampling: dict) -> router_pb2.GenerateRequest:
+    """The wire request, checked here so a bad argument is a clear InvalidArgument (or a TypeError
+    naming the public method), never protobuf's own error."""
+    unknown = sorted(set(sampling) - SAMPLING.keys())
+    if unknown:
+        raise TypeError(f"{method}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"sampling takes {', '.join(SAMPLING)}")
+    p = {**SAMPLING, **sampling}
+    _int_in("max_tokens", p["max_tokens"], 1, _U32)
+    _int_in("top_k", p["top_k"], 0, _U32)
+    if p["seed"] is not None:
+        _int_in("seed", p["seed"], 0, _U64)
+    for t in p["stop_token_ids"]:
+        _int_in("stop_token_ids[]", t, 0, (1 << 31) - 1)
+    for name in ("temperature", "top_p"):
+        if isinstance(p[name], bool) or not isinstance(p[name], int | float):
+            raise errors.InvalidArgument(f"{name} must be a number, got {p[name]!r}")
+    if not isinstance(prompt, str) and not (isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= (1 << 31) - 1 for t in prompt)):
+        raise errors.InvalidArgument("prompt must be a string or a list of non-negative token ids")
+    sampling_pb = common_pb2.SamplingParams(
+        max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+        stop_token_ids=list(p["stop_token_ids"]), ignore_eos=bool(p["ignore_eos"]))
+    if p["seed"] is not None:
+        sampling_pb.seed = p["seed"]
+    req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling_pb)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -84,7 +112,8 @@ def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
                "cached_tokens_local": u.cached_tokens_local, "cached_tokens_store": u.cached_tokens_store,
                "computed_tokens": u.computed_tokens},
         timings={"ttft_ms": t.ttft_ms, "total_ms": t.total_ms, "prefill_ms": t.prefill_ms,
-                 "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "route_ms": t.queue_ms},
+                 "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "queue_ms": t.queue_ms,
+                 "route_ms": t.route_ms},
         route={"prefill": r.prefill_worker, "decode": r.decode_worker, "policy": r.policy,
                "colocated": r.colocated, "expected_hit_tokens": r.expected_hit_tokens,
                "estimated_ttft_ms": r.estimated_ttft_ms, "best_hit_tokens": r.best_hit_tokens})
@@ -131,7 +160,7 @@ class Client:
     def generate(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
                  **sampling) -> Result:
         try:
-            resp = self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
+            resp = self._stub.GenerateUnary(_request("Client.generate", prompt, request_id, sampling),
                                             timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
@@ -146,8 +175,8 @@ class Client:
     def generate_streamed(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
                           **sampling) -> Iterator[TokenEvent | Result]:
         """Token events as they come, then the `Result` (usage, timings, route)."""
-        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s,
-                                   metadata=self._metadata)
+        call = self._stub.Generate(_request("Client.stream", prompt, request_id, sampling),
+                                   timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         tokens: list[TokenEvent] = []
         try:
             for msg in call:
@@ -191,7 +220,7 @@ class AsyncClient:
     async def generate(self, prompt: str | list[int], request_id: str = "", timeout_s: float | None = None,
                        **sampling) -> Result:
         try:
-            resp = await self._stub.GenerateUnary(_request(prompt, request_id, **sampling),
+            resp = await self._stub.GenerateUnary(_request("AsyncClient.generate", prompt, request_id, sampling),
                                                   timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
@@ -205,8 +234,8 @@ class AsyncClient:
 
     async def generate_streamed(self, prompt: str | list[int], request_id: str = "",
                                 timeout_s: float | None = None, **sampling) -> AsyncIterator[TokenEvent | Result]:
-        call = self._stub.Generate(_request(prompt, request_id, **sampling), timeout=timeout_s or self.timeout_s,
-                                   metadata=self._metadata)
+        call = self._stub.Generate(_request("AsyncClient.stream", prompt, request_id, sampling),
+                                   timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         tokens: list[TokenEvent] = []
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:

@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -36,9 +37,13 @@ class Stack:
         self.router: ServiceProcess | None = None
         self.redis_url = ""  # set once the stack's Redis is known
         self.key_prefix = args.key_prefix or f"pdserve-up-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"pdserve-up-{time.strftime('%Y%m%d-%H%M%S')}-")
+        self.http_port = 0  # the router's HTTP API port, once it serves
 
     def start(self) -> str:
         a = self.args
+        os.makedirs(self.log_dir, exist_ok=True)
+        say(f"logs in {self.log_dir} (kept after stop)")
         if a.redis_url:
             if not redis_reachable(a.redis_url):
                 raise RuntimeError(f"no Redis answers at {auth.redact_url(a.redis_url)}")
@@ -55,22 +60,26 @@ class Stack:
         model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
         store = self._add(ServiceProcess("services.kvstore", *model, *common,
                                          "--device-bytes", str(a.store_device_mib << 20),
-                                         "--dram-bytes", str(a.store_dram_mib << 20)))
+                                         "--dram-bytes", str(a.store_dram_mib << 20), log_dir=self.log_dir))
         store.start()
         say(f"kvstore  {store.address}")
         workers = [self._add(ServiceProcess(f"services.{role}", *model, *common, "--store", store.address,
                                             "--num-blocks", str(a.num_blocks), "--threads", str(a.threads),
-                                            name=f"{role}-{i}"))
+                                            name=f"{role}-{i}", log_dir=self.log_dir))
                    for role, n in (("prefill", a.prefill), ("decode", a.decode)) for i in range(n)]
         for w in workers:
             w.spawn()
         for w in workers:
             w.wait_ready()
             say(f"{w.name:<10}{w.address}")
+        http_port_file = os.path.join(self.log_dir, "router.http-port")
         self.router = self._add(ServiceProcess(
             "services.router", *model, *common, "--store", store.address, "--port", str(a.port),
-            "--host", a.host, "--policy", a.policy, "--metrics-port", str(a.metrics_port)))
+            "--host", a.host, "--policy", a.policy, "--metrics-port", str(a.metrics_port),
+            "--http-port", str(a.http_port), "--http-port-file", http_port_file, log_dir=self.log_dir))
         self.router.start()
+        if a.http_port >= 0:
+            self.http_port = int(open(http_port_file).read())
         self._wait_for_pool()
         return f"{a.host}:{self.router.port}"
 
@@ -118,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         address = stack.start()
         print(f"router at {address}", flush=True)
         print(f"{auth.ENV_API_KEY}={os.environ[auth.ENV_API_KEY]}", flush=True)  # to paste into a shell
+        if stack.http_port:
+            print(f"OpenAI API at http://{args.host}:{stack.http_port}/v1", flush=True)
         if args.demo_prompt:
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:
@@ -130,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stop()
-        say("stopped")
+        say(f"stopped; logs kept in {stack.log_dir}")
 
 
 def _demo(address: str, prompt: str, max_tokens: int) -> None:
@@ -145,8 +156,14 @@ def _demo(address: str, prompt: str, max_tokens: int) -> None:
                     f"total {item.timings['total_ms']:.1f} ms, prefill {item.route['prefill'] or '-'}, "
                     f"decode {item.route['decode']}")
             else:
-                sys.stdout.write(item.text)
+                sys.stdout.write(printable(item.text))
                 sys.stdout.flush()
+
+
+def printable(text: str) -> str:
+    """`text` as a terminal can show it: control characters (ESC sequences included) and other
+    unprintable characters escaped, newlines and tabs kept."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else ascii(ch)[1:-1] for ch in text)
 
 
 def add_parser(sub) -> None:
@@ -162,6 +179,10 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50050, help="router port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=-1, help="router /metrics port (-1: off)")
+    p.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port (-1: off, "
+                                                               "0: any free port)")
+    p.add_argument("--log-dir", default="", help="where the services' logs go (default: a new directory in /tmp, "
+                                                 "printed at start); kept after stop")
     p.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"])
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="a Redis to use (default: env REDIS_URL, else a redis-server of our own); its keys "

@@ -35,6 +35,9 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
     assert resolved["services"]["secrets"]["command"] == ["python", "-m", "pdserve.runtime.auth", "/run/pdserve"]
     assert resolved["services"]["router"]["depends_on"].keys() == {"prefill", "decode"}
     assert "16686" in str(resolved["services"]["jaeger"]["ports"])
+    router = resolved["services"]["router"]
+    assert router["environment"]["PDSERVE_HTTP_PORT"] == "8000" and "8000" in str(router["ports"])
+    assert all(resolved["services"][n]["build"]["args"]["TORCH"] == "cpu" for n in ("router", "secrets"))
     # A broken file is caught: the check can fail.
     broken = tmp_path / "compose.yaml"
     broken.write_text((ROOT / "compose.yaml").read_text().replace("condition: service_healthy",
@@ -45,5 +48,6 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
 
 def test_dockerfile_uses_the_readme_install():
     text = (ROOT / "Dockerfile").read_text()
-    assert "RUN bash scripts/setup.sh" in text
+    assert "bash scripts/setup.sh" in text and "ARG TORCH=cpu" in text
+    assert "https://download.pytorch.org/whl/cpu" in text
     assert "bash scripts/run.sh" in (ROOT / "README.md").read_text()

@@ -16,6 +16,7 @@ from tests.support.stack import Stack
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[tuple[str, str, bytes, dict]] = []  # (service, span name, trace id, attributes)
+        self.kinds: dict[tuple[str, str], list[float]] = {}  # (service, span name) -> each one's duration, ms
 
     def Export(self, request, context):
         for rs in request.resource_spans:
@@ -24,6 +25,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for span in ss.spans:
                     attrs = {a.key: a.value for a in span.attributes}
                     self.spans.append((service, span.name, span.trace_id, attrs))
+                    self.kinds.setdefault((service, span.name), []).append(
+                        (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -52,7 +55,8 @@ def test_one_trace_spans_router_prefill_store_decode(shared_redis_url):
                 services = {sp[0] for sp in receiver.spans if sp[2] == trace_id}
                 names = {sp[1] for sp in receiver.spans if sp[2] == trace_id}
                 if services >= {"router", "prefill", "decode", "kvstore"} and names >= {
-                        "route", "prefill", "store.put", "decode.pull", "/pdserve.v1.KVStore/AllocatePut"}:
+                        "route", "prefill", "store.put", "decode.pull", "/pdserve.v1.KVStore/AllocatePut",
+                        "/pdserve.v1.KVStore/Watch", "/pdserve.v1.Decode/Generate"}:
                     break
             time.sleep(0.2)
         trace_id = next(sp[2] for sp in receiver.spans if sp[1] == "route")
@@ -63,6 +67,12 @@ def test_one_trace_spans_router_prefill_store_decode(shared_redis_url):
         assert any(sp[1] == "/pdserve.v1.KVStore/AllocatePut" for sp in mine)
         route = next(sp for sp in mine if sp[1] == "route")
         assert route[3]["request_id"].string_value == "traced-1" and route[3]["prompt_tokens"].int_value == 99
+        # Streaming calls' spans end when their call does, not when a wrapper is collected.
+        for key in (("router", "/pdserve.v1.Decode/Generate"), ("decode", "/pdserve.v1.KVStore/Watch")):
+            assert key in receiver.kinds and max(receiver.kinds[key]) < result.timings["total_ms"] + 500, (
+                key, receiver.kinds.get(key), result.timings)
+        # Health checks (the router's, every refresh) are never traced.
+        assert not [k for k in receiver.kinds if "grpc.health" in k[1]], sorted(receiver.kinds)
     finally:
         s.stop()
         server.stop(0)

@@ -34,10 +34,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_up_generate_status_and_clean_stop(tiny):
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--key-prefix",
-                           f"pdtest-up-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True)
+def test_up_generate_status_and_clean_stop(tiny, tmp_path):
+    logs = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "0", "--log-dir",
+                           str(logs), "--key-prefix", f"pdtest-up-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
     try:
         line = up.stdout.readline()
         assert line.startswith("router at "), line
@@ -45,6 +46,9 @@ def test_up_generate_status_and_clean_stop(tiny):
         name, _, key = up.stdout.readline().strip().partition("=")  # one line to paste into a shell
         assert name == "PDSERVE_API_KEY" and len(key) >= 32 and key != os.environ["PDSERVE_API_KEY"]
         env = {**os.environ, "PDSERVE_API_KEY": key}
+        openai_line = up.stdout.readline()
+        assert openai_line.startswith("OpenAI API at http://127.0.0.1:") and openai_line.strip().endswith("/v1")
+        api = openai_line.split()[-1]
         kids = children(up.pid)
         assert len(kids) >= 4  # store, prefill, decode, router (+ redis when none was reachable)
         for k in kids:  # the stack's secrets are in no command line `ps` shows
@@ -65,6 +69,11 @@ def test_up_generate_status_and_clean_stop(tiny):
         want = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate(
             [tiny.tokenizer.encode("hello")], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert doc["token_ids"] == want and doc["prompt_tokens"] == 5 and doc["ttft_ms"] > 0
+        import httpx
+
+        r = httpx.post(f"{api}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["pdserve"]["token_ids"] == want
         st = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--router", router, "--api-key", key],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "redis: connected" in st.stdout
@@ -78,6 +87,11 @@ def test_up_generate_status_and_clean_stop(tiny):
         while any(alive(k) for k in kids) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(alive(k) for k in kids), "orphans left behind"
+        names = sorted(p.name for p in logs.glob("*.log"))
+        assert names == ["decode-0.log", "kvstore.log", "prefill-0.log", "router.log"]
+        requests = [json.loads(line) for line in (logs / "router.log").read_text().splitlines()
+                    if '"event": "request"' in line]
+        assert [(r["status"], r["output_tokens"], r["prompt_tokens"]) for r in requests] == [("OK", 5, 5)] * 2
     finally:
         if up.poll() is None:
             up.terminate()
@@ -85,7 +99,7 @@ def test_up_generate_status_and_clean_stop(tiny):
 
 
 def test_no_service_outlives_a_killed_up():
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--key-prefix",
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "0", "--key-prefix",
                            f"pdtest-upkill-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
     try:
@@ -101,3 +115,9 @@ def test_no_service_outlives_a_killed_up():
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_demo_output_escapes_what_a_terminal_would_run():
+    from pdserve.up import printable
+
+    assert printable("ok\x1b[2J\x07é\n\tend\x00") == "ok\\x1b[2J\\x07é\n\tend\\x00"

@@ -58,8 +58,9 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for text that already holds them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     @property
     def max_token_chars(self) -> int:

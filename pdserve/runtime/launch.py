@@ -98,11 +98,13 @@ class RedisServer:
 class ServiceProcess:
     """`python -m <module>` with flags; its port is known once the service is serving."""
 
-    def __init__(self, module: str, *flags: str, env: dict[str, str] | None = None, name: str | None = None):
+    def __init__(self, module: str, *flags: str, env: dict[str, str] | None = None, name: str | None = None,
+                 log_dir: str | None = None):
+        """`log_dir`: keep the log there as `<name>.log` after stop (else it goes with the process)."""
         self.name = name or module.rsplit(".", 1)[-1]
         self.tmp = tempfile.mkdtemp(prefix=f"pdserve-{self.name}-")
         self.port_file = os.path.join(self.tmp, "port")
-        self.log_path = os.path.join(self.tmp, "log")
+        self.log_path = os.path.join(log_dir or self.tmp, f"{self.name}.log" if log_dir else "log")
         self.args = [*die_with_parent(), sys.executable, "-m", module, "--port-file", self.port_file, *flags]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdserve import logs
@@ -118,8 +119,7 @@ class Decoder:
                     raise ResourceExhausted(f"decode worker full: {e}; retry later") from e
                 yield Admitted(len(res.block_table), res.num_cached_blocks)
                 with tracer.start_as_current_span("decode.pull", attributes={"request_id": rid}) as span:
-                    first = await self._pull_and_first(req, res, entry)
-                    pull_ms = (time.perf_counter() - t0) * 1e3
+                    first, pull_ms = await self._pull_and_first(req, res, entry)
                     pulled = len(res.block_table) and (-(-len(req.prompt_ids) // self.w.cfg.block_size)
                                                        - res.num_cached_blocks)
                     span.set_attribute("bytes", pulled * self.w.store.block_nbytes)
@@ -168,8 +168,9 @@ class Decoder:
         except Exception:  # noqa: BLE001 - cleanup must not mask the request's own outcome
             pass
 
-    async def _pull_and_first(self, req: DecodeInput, res, entry: InFlight) -> FirstToken:
-        """Pull every prompt block not cached here, and get the first token; watchdog on silence."""
+    async def _pull_and_first(self, req: DecodeInput, res, entry: InFlight) -> tuple[FirstToken, float]:
+        """Pull every prompt block not cached here, and get the first token; watchdog on silence.
+        Also the ms the pull went on after the first token arrived (the handoff's exposed cost)."""
         bs = self.w.cfg.block_size
         n_full = len(req.prompt_ids) // bs
         has_tail = len(req.prompt_ids) % bs != 0
@@ -178,8 +179,13 @@ class Decoder:
         pages = res.block_table[n_local : n_full + (1 if has_tail else 0)]
         tail_key = (req.tail_key or req.request_id) if has_tail else ""
         pull = asyncio.ensure_future(self._pull(req.request_id, keys, tail_key, pages, entry))
+        first_at = None
         try:
-            while not (pull.done() and entry.first.done()):
+            while True:
+                if first_at is None and entry.first.done():
+                    first_at = time.perf_counter()
+                if pull.done() and entry.first.done():
+                    break
                 await asyncio.wait([t for t in (pull, entry.first) if not t.done()], timeout=0.05)
                 if pull.done() and pull.exception() is not None:
                     raise pull.exception()
@@ -197,7 +203,7 @@ class Decoder:
         first: FirstToken = entry.first.result()
         if list(first.block_hashes) != list(res.prompt_hashes):
             raise InvalidArgument("prefill's block hashes do not match this request's prompt")
-        return first
+        return first, (time.perf_counter() - first_at) * 1e3 if first_at is not None else 0.0
 
     async def _pull(self, rid: str, keys: list[bytes], tail_key: str, pages: list[int], entry: InFlight) -> None:
         if not pages:
@@ -205,22 +211,23 @@ class Decoder:
         store = self.w.store
         lease = ""
         got = 0
-        async for batch in store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600):
-            lease = batch.lease_id
-            # Verified off the engine thread: these pages are reserved and not yet decoded from.
-            bad = await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
-            if bad:
-                at = [batch.indices[i] for i in bad]
-                try:
-                    await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
-                                                              len(keys) in at))
-                finally:
-                    store.release_soon(lease)
-                raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from the "
-                                "store; retry the request to recompute them")
-            got += len(batch.indices)
-            entry.last_activity = time.monotonic()
-            if got == len(pages):
-                break
+        async with aclosing(store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600)) as batches:
+            async for batch in batches:
+                lease = batch.lease_id
+                # Verified off the engine thread: these pages are reserved and not yet decoded from.
+                bad = await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
+                if bad:
+                    at = [batch.indices[i] for i in bad]
+                    try:
+                        await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
+                                                                  len(keys) in at))
+                    finally:
+                        store.release_soon(lease)
+                    raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from the "
+                                    "store; retry the request to recompute them")
+                got += len(batch.indices)
+                entry.last_activity = time.monotonic()
+                if got == len(pages):
+                    break
         if lease:
             store.release_soon(lease)

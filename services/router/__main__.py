@@ -9,6 +9,7 @@ from pdserve.cluster import connect
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.keys import RedisKeys
 from pdserve.engine.mock_runner import served_profile
+from pdserve.model.chat_template import ChatTemplate
 from pdserve.model.config import parse_dtype
 from pdserve.model.spec import describe
 from pdserve.runtime import auth
@@ -16,6 +17,8 @@ from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.http.app import build_app
+from services.router.http.server import HttpServer
 from services.router.metrics import Metrics
 from services.router.router import Router
 from services.router.servicer import RouterServicer
@@ -57,9 +60,20 @@ async def main() -> None:
     if cfg.metrics_port >= 0:
         port = await metrics.serve(cfg.host, cfg.metrics_port)
         log.info("metrics", url=f"http://{cfg.host}:{port}/metrics")
+    http = None
+    if cfg.http_port >= 0:
+        template = ChatTemplate.for_model(cfg.model)
+        app = build_app(router, cfg.served_model_name or cfg.model, template, lambda: store_gauges(cfg.store))
+        http = HttpServer(app, cfg.host, cfg.http_port)
+        await http.start()
+        write_port_file(cfg.http_port_file, http.port)
+        log.info("OpenAI-compatible HTTP API", url=f"http://{cfg.host}:{http.port}/v1",
+                 chat_template="yes" if template else "none (chat requests refused)")
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
+    if http is not None:
+        await http.stop()
     router.encoder.close()
     try:
         await asyncio.wait_for(pool.stop(), timeout=2.0)

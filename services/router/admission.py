@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from pdserve.errors import ResourceExhausted
+from pdserve.errors import ResourceExhausted, Unavailable
 
 T = TypeVar("T")
 QUEUE_POLL_S = 0.05
@@ -21,6 +21,14 @@ QUEUE_POLL_S = 0.05
 
 class NoRoom(ResourceExhausted):
     """No decode worker has room now (a request may queue for it)."""
+
+
+class NoWorkers(NoRoom):
+    """No decode worker is healthy at all: waited out like no room, then refused UNAVAILABLE."""
+
+
+def _refused(e: NoRoom, message: str) -> Exception:
+    return (Unavailable if isinstance(e, NoWorkers) else ResourceExhausted)(message)
 
 
 class AdmissionQueue:
@@ -40,8 +48,8 @@ class AdmissionQueue:
         except NoRoom as e:
             if self.queued >= self.max_queued:
                 self.metrics.count("refused_queue_full")
-                raise ResourceExhausted(f"{e}, and {self.queued} requests are already queued for room: retry in "
-                                        f"about {self.timeout_s * 1000:.0f} ms") from None
+                raise _refused(e, f"{e}, and {self.queued} requests are already queued for room: retry in "
+                                  f"about {self.timeout_s * 1000:.0f} ms") from None
         self.queued += 1
         give_up = min(deadline, time.monotonic() + self.timeout_s)
         try:
@@ -56,8 +64,8 @@ class AdmissionQueue:
                 except NoRoom as e:
                     if time.monotonic() >= give_up:
                         self.metrics.count("refused_queue_timeout")
-                        raise ResourceExhausted(f"{e} after {self.timeout_s:g} s in the admission queue: retry in "
-                                                "about a second") from None
+                        raise _refused(e, f"{e} after {self.timeout_s:g} s in the admission queue: retry in "
+                                          "about a second") from None
         finally:
             self.queued -= 1
 

@@ -22,6 +22,7 @@ class Metrics:
     def __init__(self, gauges=None) -> None:
         self.hist: dict[str, list] = {}
         self.counters: dict[str, int] = {}
+        self.labeled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}  # (name, labels) -> count
         self.gauges = gauges  # optional async () -> {name: value}, read at each scrape
         self._server: asyncio.base_events.Server | None = None
 
@@ -33,6 +34,10 @@ class Metrics:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def count_labeled(self, name: str, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        self.labeled[key] = self.labeled.get(key, 0) + 1
 
     def render(self, gauges: dict[str, float] | None = None) -> str:
         lines = []
@@ -47,6 +52,13 @@ class Metrics:
             lines += [f"{metric}_sum {total}", f"{metric}_count {count}"]
         for name, value in sorted(self.counters.items()):
             lines += [f"# TYPE pdserve_router_{name}_total counter", f"pdserve_router_{name}_total {value}"]
+        typed = set()
+        for (name, labels), value in sorted(self.labeled.items()):
+            if name not in typed:
+                typed.add(name)
+                lines.append(f"# TYPE pdserve_router_{name}_total counter")
+            text = ",".join(f'{k}="{v}"' for k, v in labels)
+            lines.append(f"pdserve_router_{name}_total{{{text}}} {value}")
         for name, value in sorted((gauges or {}).items()):
             lines += [f"# TYPE pdserve_{name} gauge", f"pdserve_{name} {value}"]
         return "\n".join(lines) + "\n"

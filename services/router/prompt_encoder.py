@@ -25,8 +25,8 @@ def _load(data: str) -> None:
     _pool_tokenizer = Tokenizer.from_json(data)
 
 
-def _encode(text: str) -> list[int]:
-    return _pool_tokenizer.encode(text)
+def _encode(text: str, add_special_tokens: bool) -> list[int]:
+    return _pool_tokenizer.encode(text, add_special_tokens)
 
 
 class PromptEncoder:
@@ -51,15 +51,15 @@ class PromptEncoder:
         if len(text) > self.max_bytes or len(text.encode()) > self.max_bytes:
             raise InvalidArgument(f"prompt text is over {self.max_bytes} bytes, this deployment's limit")
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check(text)
         if len(text) <= INLINE_CHARS:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens)
         if self._pool is None:
             # spawn: forking a process that runs gRPC's threads is unsafe
             self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=_load,
                                              initargs=(self.tokenizer.to_json(),))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text, add_special_tokens)
 
     def close(self) -> None:
         if self._pool is not None:

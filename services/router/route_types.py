@@ -52,3 +52,15 @@ class Summary:
     cached_store: int = 0
     computed: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def log_request(log, request_id: str, prompt_tokens: int, summary: Summary | None, status: str) -> None:
+    """One line per request, however it ended."""
+    if summary is None:
+        log.info("request", request_id=request_id, status=status, prompt_tokens=prompt_tokens)
+        return
+    r = summary.route
+    log.info("request", request_id=request_id, status=status, prompt_tokens=prompt_tokens,
+             cached_tokens=summary.cached_local + summary.cached_store, output_tokens=summary.completion_tokens,
+             ttft_ms=round(summary.timings_ms.get("ttft_ms", 0.0), 2), prefill=r.prefill.address if r.prefill else "",
+             decode=r.decode.address)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 
 import grpc
@@ -15,21 +17,22 @@ from pdserve.cluster import REDIS_DOWN, Redis
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.prefix_index import PrefixHits, PrefixIndex
 from pdserve.engine.sampling import SamplingParams
-from pdserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from pdserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, status_for
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
 from pdserve.rpc.convert import profile_to_pb, sampling_to_pb
 from pdserve.runtime import telemetry
-from pdserve.v1 import decode_pb2
-from services.router.admission import AdmissionQueue, NoRoom
+from pdserve.v1 import common_pb2, decode_pb2
+from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
 from services.router.config import RouterConfig
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
 from services.router.prompt_encoder import PromptEncoder
 from services.router.recent import RecentRoutes
-from services.router.route_types import RETRY_ON, Route, Summary, TokenOut
+from services.router.route_types import RETRY_ON, Route, Summary, TokenOut, log_request
+from services.router.stop_strings import StopStrings
 from services.router.workers import WorkerPool, WorkerView
 
 log = logs.get("router")
@@ -61,9 +64,10 @@ class Router:
         self.metrics = metrics
 
     # -- validation (never touches a worker) -----------------------------------------------
-    async def prompt_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+    async def prompt_ids(self, text: str | None, token_ids: list[int] | None,
+                         add_special_tokens: bool = True) -> list[int]:
         if text is not None:
-            ids = await self.encoder.encode(text)
+            ids = await self.encoder.encode(text, add_special_tokens)
         else:
             ids = list(token_ids or [])
         if not ids:
@@ -101,6 +105,8 @@ class Router:
         if dchoice is None and 0 < largest < need:  # it never will: refused now, never queued
             raise ResourceExhausted(f"no decode worker can admit {need} KV blocks: the largest holds {largest} in "
                                     "all; shorten the prompt or max_tokens")
+        if not decodes:
+            raise NoWorkers(f"no healthy decode worker ({len(self.pool.workers)} registered)")
         if dchoice is None:
             raise NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
         decode = self.pool.workers[dchoice.worker_id]
@@ -156,21 +162,34 @@ class Router:
 
     # -- one request -----------------------------------------------------------------------
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                       client_deadline_s: float | None = None) -> AsyncIterator[TokenOut | Summary]:
-        """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none)."""
+                       client_deadline_s: float | None = None,
+                       stop: tuple[str, ...] = ()) -> AsyncIterator[TokenOut | Summary]:
+        """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none).
+        `stop`: strings that end the request (finish STOP), never part of its text."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
         self.active.add(request_id)
+        summary, status = None, "OK"
         try:
             async for item in self._generate(request_id, ids, params,
-                                             self.deadline_s(len(ids), params, client_deadline_s)):
+                                             self.deadline_s(len(ids), params, client_deadline_s),
+                                             StopStrings(stop) if stop else None):
+                if isinstance(item, Summary):
+                    summary = item
                 yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "CANCELLED"
+            raise
+        except Exception as e:
+            status = status_for(e).name
+            raise
         finally:
             self.active.discard(request_id)
+            log_request(log, request_id, len(ids), summary, status)
 
-    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                        timeout_s: float) -> AsyncIterator[TokenOut | Summary]:
+    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams, timeout_s: float,
+                        stops: StopStrings | None) -> AsyncIterator[TokenOut | Summary]:
         """Route and dispatch, hiding what can be hidden from the client:
         - a prefill that fails before the first token reached it is tried again on another
           prefill worker with a fresh handoff (`prefill_retries` times);
@@ -184,6 +203,7 @@ class Router:
         out: list[int] = []  # the tokens the client has, in order
         failed: set[str] = set()  # workers this request already failed on
         retries = migrations = 0
+        queued_ms = 0.0  # in the admission queue, over every attempt
         queue_until = time.monotonic() + self.cfg.queue_timeout_s  # a decode that refuses: wait for room this long
         last = None
         for attempt in itertools.count():
@@ -191,28 +211,38 @@ class Router:
             left = params if not out else replace(params, max_tokens=params.max_tokens - len(out))
             with tracer.start_as_current_span("route", attributes={"request_id": request_id,
                                                                    "prompt_tokens": len(prompt)}) as span:
+                t_admit = time.perf_counter()
                 route = await self.admitted_route(prompt, block_hashes(prompt, self.profile), left, failed, deadline)
+                queued_ms += (time.perf_counter() - t_admit) * 1e3 - route.route_ms
                 span.set_attribute("prefill", route.prefill.address if route.prefill else "")
                 span.set_attribute("decode", route.decode.address)
                 self.metrics.observe("route_ms", route.route_ms)
-            summary = Summary(request_id, 0, route, len(ids))
+            summary = Summary(request_id, 0, route, len(ids), timings_ms={"queue_ms": max(queued_ms, 0.0)})
             # Each attempt is a handoff of its own: the workers know it by its own id.
             handoff_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             try:
-                async for item in self._attempt(handoff_id, prompt, left, route, summary, deadline):
-                    now = time.perf_counter()
-                    if last is None:
-                        summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
-                        self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
-                    else:
-                        self.metrics.observe("itl_ms", (now - last) * 1e3)
-                    last = now
-                    piece = text.push(item.token_id)
-                    if item.finish_reason:
-                        piece += text.flush()
-                        summary.finish_reason = item.finish_reason
-                    yield TokenOut(item.token_id, piece, item.logprob, len(out), item.finish_reason)
-                    out.append(item.token_id)
+                async with aclosing(self._attempt(handoff_id, prompt, left, route, summary, deadline)) as items:
+                    async for item in items:
+                        now = time.perf_counter()
+                        if last is None:
+                            summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
+                            self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
+                        else:
+                            self.metrics.observe("itl_ms", (now - last) * 1e3)
+                        last = now
+                        piece, finish = text.push(item.token_id), item.finish_reason
+                        if finish:
+                            piece += text.flush()
+                        if stops is not None:
+                            piece, hit = stops.push(piece)
+                            finish = common_pb2.FINISH_REASON_STOP if hit else finish
+                            piece += stops.flush() if finish and not hit else ""
+                        if finish:
+                            summary.finish_reason = finish
+                        yield TokenOut(item.token_id, piece, item.logprob, len(out), finish)
+                        out.append(item.token_id)
+                        if finish:
+                            break  # (a stop string: closing the attempt cancels its calls)
                 break
             except DispatchError as e:
                 if not out and self._may_retry(e, "prefill", route.prefill, retries, self.cfg.prefill_retries,
@@ -268,12 +298,13 @@ class Router:
         if prefill_pending:
             route.prefill.inflight_tokens += queued
         try:
-            async for item in self._dispatch(request_id, ids, params, route, summary,
-                                             max(deadline - time.monotonic(), 0.001)):
-                if item.index == 0 and prefill_pending:
-                    route.prefill.inflight_tokens -= queued
-                    prefill_pending = False
-                yield item
+            async with aclosing(self._dispatch(request_id, ids, params, route, summary,
+                                               max(deadline - time.monotonic(), 0.001))) as items:
+                async for item in items:
+                    if item.index == 0 and prefill_pending:
+                        route.prefill.inflight_tokens -= queued
+                        prefill_pending = False
+                    yield item
         except DispatchError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
                 for w in workers:
@@ -300,25 +331,27 @@ class Router:
     async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary, timeout_s: float):
         sampling = sampling_to_pb(params)
         if route.prefill is None:
-            async for item in self._colocated(request_id, ids, sampling, route, summary, timeout_s):
-                yield item
+            async with aclosing(self._colocated(request_id, ids, sampling, route, summary, timeout_s)) as items:
+                async for item in items:
+                    yield item
             return
-        async for ev in disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                      self.profile_pb, timeout_s):
-            if isinstance(ev, FirstFromPrefill):
-                await self._account(ev.response, route, len(ids))
-                u = ev.response.usage
-                summary.cached_local, summary.cached_store, summary.computed = (
-                    u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
-                summary.timings_ms.update(prefill_ms=ev.response.timings.prefill_ms,
-                                          store_write_ms=ev.response.timings.store_write_ms)
-                summary.completion_tokens = 1
-                yield ev.response.first_token
-            elif isinstance(ev, Finished):
-                summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
-            else:
-                summary.completion_tokens = ev.index + 1
-                yield ev
+        async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
+                                          self.profile_pb, timeout_s)) as events:
+            async for ev in events:
+                if isinstance(ev, FirstFromPrefill):
+                    await self._account(ev.response, route, len(ids))
+                    u = ev.response.usage
+                    summary.cached_local, summary.cached_store, summary.computed = (
+                        u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
+                    summary.timings_ms.update(prefill_ms=ev.response.timings.prefill_ms,
+                                              store_write_ms=ev.response.timings.store_write_ms)
+                    summary.completion_tokens = 1
+                    yield ev.response.first_token
+                elif isinstance(ev, Finished):
+                    summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
+                else:
+                    summary.completion_tokens = ev.index + 1
+                    yield ev
 
     async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary, timeout_s: float):
         call = route.decode.stub.Generate(decode_pb2.DecodeRequest(
@@ -354,4 +387,5 @@ class Router:
                                     hit)
         except REDIS_DOWN:
             self.pool.redis_ok = False
+
 

@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.client import AsyncClient, Client
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
-from tests.support.stack import load, routed_stack, store_stats, stubs
+from tests.support.stack import SETTLED, routed_stack, settled, stubs
 
 N = 200
 
@@ -26,20 +26,7 @@ def stack(shared_redis_url):
 
 
 def _audit(stack) -> None:
-    async def settled():
-        for _ in range(100):  # handoff tails wait out their 3 s TTL at most
-            p = await load(stack.prefills[0].address, "prefill")
-            d = await load(stack.decodes[0].address, "decode")
-            st = await store_stats(stack.store.address)
-            state = ((p.running_requests, p.inflight_requests, d.running_requests, d.inflight_requests),
-                     (p.free_kv_blocks == p.total_kv_blocks, d.free_kv_blocks == d.total_kv_blocks),
-                     (st.active_leases, st.watchers, [t.pinned_blocks for t in st.tiers]))
-            if state == ((0, 0, 0, 0), (True, True), (0, 0, [0, 0])):
-                return state
-            await asyncio.sleep(0.1)
-        return state
-
-    assert asyncio.run(settled()) == ((0, 0, 0, 0), (True, True), (0, 0, [0, 0]))
+    assert asyncio.run(settled(stack)) == SETTLED
 
 
 def test_200_requests_cancelled_at_random_phases_leave_nothing_held(stack):

@@ -21,6 +21,7 @@ class Stack:
     decodes: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
     env: dict | None = None  # extra environment for every process
+    model: str = "tiny"  # (or a checkpoint directory)
 
     def common(self) -> list[str]:
         """Flags every process gets ('' redis_url: PDSERVE_REDIS_URL in `env` says where Redis is)."""
@@ -28,13 +29,13 @@ class Stack:
         return [*redis, "--key-prefix", self.key_prefix, "--grace-s", "1"]
 
     def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
-        self.store = ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host",
+        self.store = ServiceProcess("services.kvstore", "--model", self.model, "--device", "host",
                                     "--device-bytes", str(device_mib * MIB), "--dram-bytes", str(dram_mib * MIB),
                                     "--lease-ms", str(lease_ms), *self.common(), env=self.env).start()
         return self.store
 
     def worker(self, role: str, *flags: str) -> ServiceProcess:
-        return ServiceProcess(f"services.{role}", "--model", "tiny", "--store", self.store.address,
+        return ServiceProcess(f"services.{role}", "--model", self.model, "--store", self.store.address,
                               "--heartbeat-s", "0.5", "--threads", "1", "--lease-ms", "2000", "--tail-ttl-ms", "3000",
                               *self.common(), *flags,
                               env=self.env)
@@ -49,7 +50,7 @@ class Stack:
         return self
 
     def start_router(self, *flags: str, env: dict | None = None) -> ServiceProcess:
-        self.router = ServiceProcess("services.router", "--model", "tiny", "--store", self.store.address,
+        self.router = ServiceProcess("services.router", "--model", self.model, "--store", self.store.address,
                                      "--refresh-s", "0.2", *self.common(), *flags, env=env).start()
         return self.router
 
@@ -97,6 +98,27 @@ async def store_stats(address: str) -> kvstore_pb2.StatsResponse:
     ch, stub = stubs(address, "kvstore")
     async with ch:
         return await stub.Stats(kvstore_pb2.StatsRequest(), timeout=5)
+
+
+SETTLED = ((0, 0, 0, 0), (True, True), (0, 0, [0, 0]))  # what `settled` returns when nothing is held
+
+
+async def settled(stack: Stack, timeout_s: float = 10.0):
+    """The leak audit of a 1 P + 1 D stack: requests, pages, leases, watchers and pins, polled
+    until nothing is held (handoff tails wait out their TTL) or `timeout_s` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p = await load(stack.prefills[0].address, "prefill")
+        d = await load(stack.decodes[0].address, "decode")
+        st = await store_stats(stack.store.address)
+        state = ((p.running_requests, p.inflight_requests, d.running_requests, d.inflight_requests),
+                 (p.free_kv_blocks == p.total_kv_blocks, d.free_kv_blocks == d.total_kv_blocks),
+                 (st.active_leases, st.watchers, [t.pinned_blocks for t in st.tiers]))
+        if state == SETTLED or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.1)
 
 
 def run(coro):

@@ -1,0 +1,56 @@
+"""The SDK's own checks of its arguments: clear pdserve errors before anything is sent (no
+server: a call that got past them would fail UNAVAILABLE instead)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import errors
+from pdserve.client import AsyncClient, Client
+from tests.support.procs import ROOT
+
+
+def test_pdserve_errors_is_there_on_import():
+    out = subprocess.run([sys.executable, "-c", "import pdserve; print(pdserve.errors.InvalidArgument.__name__)"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "InvalidArgument", out.stderr
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"max_tokens": -1}, "max_tokens must be an integer in [1, 4294967295], got -1"),
+    ({"max_tokens": 0}, "max_tokens must be an integer in [1,"),
+    ({"top_k": -3}, "top_k must be an integer in [0,"),
+    ({"seed": -7}, "seed must be an integer in [0, 18446744073709551615], got -7"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids[] must be an integer in [0,"),
+])
+def test_bad_sampling_arguments_are_invalid_argument(kw, message):
+    with Client("127.0.0.1:1", timeout_s=1) as c:
+        with pytest.raises(errors.InvalidArgument) as e:
+            c.generate("x", **kw)
+        assert message in str(e.value)
+        with pytest.raises(errors.InvalidArgument):
+            list(c.stream("x", **kw))
+        with pytest.raises(errors.InvalidArgument, match="prompt must be a string or a list"):
+            c.generate([1, -2])
+
+
+def test_an_unknown_keyword_names_the_public_method():
+    with Client("127.0.0.1:1", timeout_s=1) as c:
+        with pytest.raises(TypeError, match=r"Client.generate\(\) got unexpected keyword argument\(s\) 'max_token'"):
+            c.generate("x", max_token=5)
+
+    async def go():
+        async with AsyncClient("127.0.0.1:1", timeout_s=1) as c:
+            with pytest.raises(TypeError, match=r"AsyncClient.stream\(\) .* 'temprature'; sampling takes max_tokens"):
+                async for _ in c.stream("x", temprature=1.0):
+                    pass
+            with pytest.raises(errors.Unavailable):  # (past the checks: sent, and nobody is there)
+                await c.generate("x", max_tokens=2)
+
+    asyncio.run(go())
