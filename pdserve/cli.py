@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (numbers, not tests)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from pdserve.bench import (
+        api_bench,
         capacity_bench,
         compare_bench,
         engine_bench,
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvstore_bench.add_parser(bench_sub)
     handoff_bench.add_parser(bench_sub)
     serve_bench.add_parser(bench_sub)
+    api_bench.add_parser(bench_sub)
     compare_bench.add_parser(bench_sub)
     capacity_bench.add_parser(bench_sub)
     row_ops_bench.add_parser(bench_sub)

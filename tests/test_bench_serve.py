@@ -71,7 +71,7 @@ def test_pooled_lru_bound_on_a_handmade_trace():
 
 def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
     s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(1, 1)
-    s.start_router()
+    s.start_router("--http-port", "0", "--http-port-file", str(tmp_path / "http-port"))
     try:
         s.wait_pool(2)
         out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--router", s.router.address,
@@ -98,6 +98,17 @@ def test_short_real_run_fills_every_field(shared_redis_url, tmp_path):
         assert doc["plots"] == pngs
         for name in pngs:
             assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        # The same workload through the OpenAI API: the same records, the same tokens counted.
+        url = f"http://127.0.0.1:{int((tmp_path / 'http-port').read_text())}/v1"
+        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--api", "openai", "--url", url,
+                              "--workload", "shared-prefix", "--max-requests", "6", "--max-output", "16", "--out",
+                              str(tmp_path / "openai"), "--no-plots", "--json"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        via_http = json.loads((tmp_path / "openai" / "serve.json").read_text())
+        assert [(r["ok"], r["output_tokens"], r["prompt_tokens"], len(r["itl_ms"])) for r in via_http["records"]] == [
+            (True, 16, r["prompt_tokens"], 15) for r in recs]
+        assert all(r["ttft_ms"] > 0 and r["prefill_worker"] == s.prefills[0].address for r in via_http["records"])
     finally:
         s.stop()
 
@@ -126,3 +137,16 @@ def test_pinned_deployments_give_each_pool_or_worker_cpus_of_its_own():
     assert worker_cpus("disagg", 9, 1, [0, 1, 2])[("decode", 0)] == "2"  # the decode pool always keeps one
     with pytest.raises(ValueError, match="two CPUs"):
         worker_cpus("disagg", 1, 1, [0])
+
+
+def test_api_bench_reports_both_paths_and_its_targets():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "api", "--max-requests", "4", "--max-output",
+                          "4", "--rounds", "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    for api in ("grpc", "http", "http_httpx"):
+        assert (doc[api]["ok"], doc[api]["output_tokens"]) == (4, 16) and doc[api]["router_cpu_s"] >= 0
+    assert [t["name"] for t in doc["targets"]] == ["http_added_ttft_p50", "http_added_itl_p50",
+                                                   "http_router_cpu_per_token_ratio"]
+    assert doc["targets"][0]["value"] == pytest.approx(doc["http"]["ttft_ms_p50"] - doc["grpc"]["ttft_ms_p50"],
+                                                       abs=1e-3)

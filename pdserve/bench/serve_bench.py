@@ -7,13 +7,13 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 from pdserve.bench import workloads
+from pdserve.bench.openai_load import run_openai_load
 from pdserve.bench.report import emit, machine
-from pdserve.bench.serve_stats import Record, attainment, goodput, summarize
+from pdserve.bench.serve_stats import Record, attainment, gather_progress, goodput, summarize
 from pdserve.bench.workloads import BenchRequest
 from pdserve.client import AsyncClient, Result, TokenEvent
 
@@ -65,10 +65,7 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.expected_hit_tokens = item.route["expected_hit_tokens"]
                 rec.best_hit_tokens = item.route["best_hit_tokens"]
                 rec.route_ms = item.timings["route_ms"]
-        rec.e2e_ms = (time.perf_counter() - t0) * 1e3
-        if rec.output_tokens > 1:
-            rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
-        rec.ok = True
+        rec.finish(t0)
     except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
         rec.error = f"{type(e).__name__}: {e}"
     return rec
@@ -79,18 +76,8 @@ async def run_load(router: str, reqs: list[BenchRequest], max_seconds: float, ti
     async with AsyncClient(router, timeout_s=timeout_s) as client:
         t_start = time.perf_counter()
         reqs = [r for r in reqs if r.arrival_s <= max_seconds]
-        tasks = [asyncio.ensure_future(_one(client, r, t_start, timeout_s)) for r in reqs]
-        done = 0
-        for fut in asyncio.as_completed(tasks):
-            await fut
-            done += 1
-            if progress:
-                bar = "#" * (30 * done // len(tasks))
-                sys.stderr.write(f"\r[{bar:<30}] {done}/{len(tasks)} requests")
-                sys.stderr.flush()
-        if progress:
-            sys.stderr.write("\n")
-        return [t.result() for t in tasks], time.perf_counter() - t_start
+        records = await gather_progress([_one(client, r, t_start, timeout_s) for r in reqs], progress)
+        return records, time.perf_counter() - t_start
 
 
 def report_markdown(doc: dict) -> str:
@@ -134,12 +121,17 @@ def plots(doc: dict, records: list[Record], out: Path) -> list[str]:
                          ("itl_ms", [x for r in records if r.ok for x in r.itl_ms])):
         if not values:
             continue
-        xs = sorted(values)
+        xs = sorted(v for v in values if v > 0)
+        if not xs:
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
-        ax.set_xlabel(name.replace("_ms", " (ms)").upper())
+        ax.set_xscale("log")  # a long tail would squash the body of the CDF on a linear axis
+        ax.set_xlabel(f"{name[:-3].upper()} (ms, log scale)")
         ax.set_ylabel("fraction of requests" if name == "ttft_ms" else "fraction of gaps")
-        ax.set_title(f"{doc['workload']}: CDF of {name[:-3].upper()}")
+        rate = doc["settings"].get("shown_rate")
+        ax.set_title(f"{doc['workload']}: CDF of {name[:-3].upper()}"
+                     + (f" at {rate:g} req/s (the sweep's last rate)" if rate else ""))
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         fig.savefig(out / f"{name[:-3]}_cdf.png", dpi=100)
@@ -168,14 +160,25 @@ def run(args: argparse.Namespace) -> None:
     sweep: dict[float, float] = {}
     records: list[Record] = []
     wall = 0.0
+    if args.api == "openai" and not args.url:
+        raise SystemExit("bench serve --api openai needs --url http://HOST:PORT/v1")
+    if args.api == "grpc" and not args.router:
+        raise SystemExit("bench serve needs --router HOST:PORT (or --api openai --url URL)")
     for rate in rates or [0.0]:
         reqs = workloads.with_poisson_arrivals(base, rate) if rate else base
-        records, wall = asyncio.run(run_load(args.router, reqs, args.max_seconds, args.timeout_s, not args.json))
+        if args.api == "openai":
+            load = run_openai_load(args.url, reqs, args.max_seconds, args.timeout_s, not args.json, args.model,
+                                   args.api_key)
+        else:
+            load = run_load(args.router, reqs, args.max_seconds, args.timeout_s, not args.json)
+        records, wall = asyncio.run(load)
         if rate:
             sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
     summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
-    doc = {"workload": args.workload, "machine": machine(), "summary": summary,
-           "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "api_key")}
+    if rates:
+        settings["shown_rate"] = rates[-1]  # the records, summary and CDFs are the last rate's
+    doc = {"workload": args.workload, "machine": machine(), "summary": summary, "settings": settings,
            "sweep": sweep, "records": [r.to_dict() for r in records]}
     targets = []
     if sweep:
@@ -213,7 +216,13 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="open-loop load against a running router (trace replay or Poisson)")
-    p.add_argument("--router", required=True, help="HOST:PORT")
+    p.add_argument("--router", default="", help="HOST:PORT of a pdserve router (gRPC)")
+    p.add_argument("--api", default="grpc", choices=["grpc", "openai"],
+                   help="openai: drive any OpenAI-compatible server at --url (pdserve's HTTP API, vLLM, SGLang...)")
+    p.add_argument("--url", default="", help="--api openai: the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default="", help="--api openai: the model name (default: the first /v1/models lists)")
+    p.add_argument("--api-key", default="", help="--api openai: bearer key (default: env PDSERVE_API_KEY, then "
+                                                 "OPENAI_API_KEY)")
     add_workload_flags(p)
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: the trace's own times)")
     p.add_argument("--rates", default="", help="comma-separated rates to sweep for goodput")

@@ -4,7 +4,10 @@ and the pooled-cache bound for cache-aware routing."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +36,28 @@ class Record:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def finish(self, t0: float) -> None:
+        """The request that started at perf_counter `t0` ended well, now."""
+        self.e2e_ms = (time.perf_counter() - t0) * 1e3
+        if self.output_tokens > 1:
+            self.tpot_ms = (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
+        self.ok = True
+
+
+async def gather_progress(coros: list, progress: bool) -> list:
+    """Every coroutine's result, in order, with a progress bar on stderr as they complete."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    done = 0
+    for fut in asyncio.as_completed(tasks):
+        await fut
+        done += 1
+        if progress:
+            sys.stderr.write(f"\r[{'#' * (30 * done // len(tasks)):<30}] {done}/{len(tasks)} requests")
+            sys.stderr.flush()
+    if progress:
+        sys.stderr.write("\n")
+    return [t.result() for t in tasks]
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

@@ -176,8 +176,7 @@ async def _stream(shape: Shape, events: AsyncIterator) -> StreamingResponse:
                 yield c
             ev = first
             while True:
-                if (c := shape.chunk(ev)) is not None:
-                    yield c
+                yield shape.chunk(ev)
                 try:
                     ev = await anext(events)
                 except StopAsyncIteration:

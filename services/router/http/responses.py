@@ -125,8 +125,9 @@ class Shape:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for i in range(len(self.state))]
 
-    def chunk(self, ev: Token | End) -> str | None:
-        """The chunk `ev` makes (None: its text is held back; its token goes with the next one)."""
+    def chunk(self, ev: Token | End) -> str:
+        """The chunk `ev` makes: one per token, its text maybe empty while held back (an
+        incomplete character, a possible stop string), so a client sees each token as it comes."""
         s = self.state[ev.index]
         if isinstance(ev, End):
             self.ends[ev.index] = ev
@@ -135,8 +136,6 @@ class Shape:
             return self._chunk([choice])
         s.token_ids.append(ev.token_id)
         s.logprobs.append(ev.logprob)
-        if not ev.text:
-            return None
         return self._chunk([self._choice(ev.index, ev.text, None, s)])
 
     def closing(self) -> list[str]:
