@@ -61,9 +61,13 @@ SAMPLING = {"max_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "see
 _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
 
 
+def _invalid(message: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"INVALID_ARGUMENT: {message}")  # (worded as the server's refusals are)
+
+
 def _int_in(name: str, value, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise errors.InvalidArgument(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        raise _invalid(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
 def _request(method: str, prompt: str | list[int], request_id: str, sampling: dict) -> router_pb2.GenerateRequest:
@@ -82,10 +86,10 @@ def _request(method: str, prompt: str | list[int], request_id: str, sampling: di
         _int_in("stop_token_ids[]", t, 0, (1 << 31) - 1)
     for name in ("temperature", "top_p"):
         if isinstance(p[name], bool) or not isinstance(p[name], int | float):
-            raise errors.InvalidArgument(f"{name} must be a number, got {p[name]!r}")
+            raise _invalid(f"{name} must be a number, got {p[name]!r}")
     if not isinstance(prompt, str) and not (isinstance(prompt, list | tuple) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= (1 << 31) - 1 for t in prompt)):
-        raise errors.InvalidArgument("prompt must be a string or a list of non-negative token ids")
+        raise _invalid("prompt must be a string or a list of non-negative token ids")
     sampling_pb = common_pb2.SamplingParams(
         max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
         stop_token_ids=list(p["stop_token_ids"]), ignore_eos=bool(p["ignore_eos"]))

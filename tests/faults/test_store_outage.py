@@ -63,6 +63,9 @@ def test_recovery_after_a_store_restart_does_not_grow_with_the_outage(stack, tin
     for n, outage_s in enumerate((1.0, 6.0)):
         prompt = [(i * 7 + n * 31 + 3) % 256 for i in range(40)]
         want = engine.generate([prompt], GREEDY)[0].token_ids
+        # The failures before the last recovery marked the prefill down until its next health check;
+        # with no prefill usable the router would prefill on decode, which needs no store.
+        stack.wait_pool(2)
         stack.store.signal(signal.SIGKILL)
         stack.store.proc.wait(5)
         with Client(stack.router.address) as c:  # meanwhile: a fast, clear refusal
