@@ -61,8 +61,12 @@ class Stack:
 
         with Client(self.router.address) as c:
             deadline = time.time() + timeout_s
-            while sum(1 for w in c.status().workers if w.healthy) != healthy:
-                assert time.time() < deadline, f"pool did not reach {healthy} healthy workers"
+            while True:
+                workers = list(c.status().workers)
+                if sum(1 for w in workers if w.healthy) == healthy:
+                    break
+                assert time.time() < deadline, (f"pool did not reach {healthy} healthy workers: "
+                                                f"{[(w.address, w.healthy, w.refused_reason) for w in workers]}")
                 time.sleep(0.1)
 
     def stop(self) -> None:
