@@ -194,9 +194,13 @@ class WorkerPool:
         if view.health is None:
             return
         try:
-            resp = await view.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            # Bounded here too: a call whose channel is closed under it (the worker left while its
+            # check was in flight) can wait forever, and with it every later refresh.
+            resp = await asyncio.wait_for(view.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0), 1.5)
             healthy = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, TimeoutError, asyncio.CancelledError):
+            if asyncio.current_task().cancelling():
+                raise
             healthy = False
         if healthy != view.healthy:
             log.info("worker health changed", worker=view.worker_id, healthy=healthy)
