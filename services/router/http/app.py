@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -107,10 +108,8 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
         wanted = opts.max_tokens
         if wanted is None:  # chat without a limit: what the context leaves, up to the cap
             wanted = max(1, min(router.cfg.max_tokens_cap, router.max_model_len - len(ids)))
-        params = opts.params
-        if params.seed is not None and opts.n > 1:
-            params = params.__class__(**{**params.__dict__, "seed": params.seed + index % opts.n})
-        params = router.sampling(params.__class__(**{**params.__dict__, "max_tokens": wanted}), len(ids))
+        seed = opts.params.seed + index % opts.n if opts.params.seed is not None else None
+        params = router.sampling(replace(opts.params, max_tokens=wanted, seed=seed), len(ids))
         return ChoiceJob(index, f"{base_id}-{index}", ids, params, opts.stop)
 
     async def _completion_prompts(body: schema.CompletionBody) -> list[list[int]]:
