@@ -91,6 +91,47 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
         b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
 
 
+class FirstStatusFails:
+    """A stand-in for the engine (a fake, for the retry logic above it): the real engine moves
+    the bytes, but the first `fails` status checks read "failed", as a pooled session to a peer
+    that restarted on the same port does."""
+
+    def __init__(self, engine, fails: int):
+        self.engine, self.fails = engine, fails
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def transfer_check_status(self, batch):
+        status = self.engine.transfer_check_status(batch)
+        if status != 0 and self.fails > 0:
+            self.fails -= 1
+            return -1
+        return status
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_failed_slice_is_tried_once_more_then_the_transfer_fails(engines, fails):
+    a, b = engines
+    theirs = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    ours = torch.zeros_like(theirs)
+    a.register(theirs)
+    b.register(ours)
+    real, b.engine = b.engine, FirstStatusFails(b.engine, fails)
+    landed: list[Span] = []
+    span = Span(ours.data_ptr(), theirs.data_ptr(), 1 << 16)
+    try:
+        if fails == 1:
+            assert b.read(a.segment, [span], on_done=landed.append) == 1
+            assert torch.equal(ours, theirs) and landed == [span]
+        else:
+            with pytest.raises(TransferError, match=r"failed \(failed; 1 slices, 65536 bytes\)"):
+                b.read(a.segment, [span], on_done=landed.append)
+            assert landed == []
+    finally:
+        b.engine = real
+
+
 def test_block_spans_merge_runs_adjacent_on_both_sides_only():
     from pdserve.kvclient.transfer import block_spans, coalesce
 

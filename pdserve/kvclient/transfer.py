@@ -130,34 +130,48 @@ class Transfer:
         if not pieces:
             return 0
         left = Counter(i for i, _ in pieces)  # span -> its pieces still moving
-        sleep_s = FIRST_SLEEP_S
         submit = self.engine.batch_transfer_async_write if write else self.engine.batch_transfer_async_read
-        pending: list[tuple[int, int]] = []  # (batch, span)
         errors: list[str] = []
-        for i, piece in pieces:
-            batch = submit(peer, [piece.local], [piece.remote], [piece.nbytes])
-            if batch in _NO_BATCH:
-                errors.append("submit refused")
+        failed: list[tuple[int, Span]] = []
+
+        def landed(i: int) -> None:
+            left[i] -= 1
+            if not left[i] and on_done is not None:
+                on_done(merged[i])  # (the others move meanwhile)
+
+        for attempt in range(2):
+            todo, failed = failed if attempt else pieces, []
+            pending: list[tuple[int, int, Span]] = []  # (batch, span, slice)
+            for i, piece in todo:
+                batch = submit(peer, [piece.local], [piece.remote], [piece.nbytes])
+                if batch in _NO_BATCH:
+                    errors.append("submit refused")
+                    break
+                pending.append((batch, i, piece))
+            sleep_s = FIRST_SLEEP_S
+            while pending:
+                waiting = []
+                for batch, i, piece in pending:
+                    status = self.engine.transfer_check_status(batch)  # 1 done, 0 running, -1 failed, -2 timed out
+                    if status == 0:
+                        waiting.append((batch, i, piece))
+                    elif status == 1:
+                        landed(i)
+                    elif status == -1:
+                        failed.append((i, piece))
+                    else:
+                        errors.append("timed out")
+                if len(waiting) == len(pending):
+                    time.sleep(sleep_s)
+                    sleep_s = min(2 * sleep_s, MAX_SLEEP_S)
+                pending = waiting
+            if errors or not failed:
                 break
-            pending.append((batch, i))
-        while pending:
-            waiting = []
-            for batch, i in pending:
-                status = self.engine.transfer_check_status(batch)  # 1 done, 0 running, -1 failed, -2 timed out
-                if status == 0:
-                    waiting.append((batch, i))
-                elif status != 1:
-                    errors.append("failed" if status == -1 else "timed out")
-                else:
-                    left[i] -= 1
-                    if not left[i] and on_done is not None and not errors:
-                        on_done(merged[i])  # (the others move meanwhile)
-            if len(waiting) == len(pending):
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, MAX_SLEEP_S)
-            pending = waiting
-        if errors:
-            what = ", ".join(sorted(set(errors)))
+            # A failed slice is tried once more, on a new connection: the engine drops a session
+            # that failed, and a pooled one can be stale (its peer restarted on the same port).
+            log.warning("transfer slices failed; retrying them once", peer=peer, slices=len(failed))
+        if errors or failed:
+            what = ", ".join(sorted(set(errors + ["failed"] * bool(failed))))
             raise TransferError(f"transfer {'to' if write else 'from'} {peer} failed ({what}; {len(pieces)} slices, "
                                 f"{sum(p.nbytes for _, p in pieces)} bytes)")
         return len(pieces)
