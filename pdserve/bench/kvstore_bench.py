@@ -18,9 +18,11 @@ import asyncio
 import functools
 import hashlib
 import itertools
+import operator
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -71,6 +73,17 @@ async def _timed_raw(fn, *args) -> float:
     return dt
 
 
+async def _beside(*fs: Callable[[], Awaitable]) -> None:
+    await asyncio.gather(*(f() for f in fs))
+
+
+async def _pair(a: Callable[[], Awaitable], b: Callable[[], Awaitable], a_s: list[float], b_s: list[float],
+                flip: bool) -> None:
+    """Time `a()` and `b()` one after the other (b first when `flip`), into a_s and b_s."""
+    for f, out in ((b, b_s), (a, a_s)) if flip else ((a, a_s), (b, b_s)):
+        out.append((await _timed(f()))[0])
+
+
 async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor, n: int, repeats: int) -> dict:
     nbytes = client.block_nbytes
     addrs = [local.data_ptr() + i * nbytes for i in range(n)]
@@ -100,12 +113,13 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         raw = alloc.slots.addresses == [base + i * nbytes for i in range(n)]
         e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
         if raw:
-            polled_w.append((await _timed(asyncio.to_thread(transfer.write, client.segment, span)))[0])
             # What the checksums add to a move: the same raw write with the writer's checksums
-            # computed beside it, and a raw read verifying each span as it lands (as the client does).
-            polled_w_sums.append((await _timed(asyncio.gather(
-                asyncio.to_thread(transfer.write, client.segment, span),
-                asyncio.to_thread(checksums_at, addrs, nbytes))))[0])
+            # computed beside it, and a raw read verifying each span as it lands (as the client
+            # does). Taken in pairs, each pair's order alternating (the first of two like moves
+            # runs slower here); the cost is the median of the pairs' differences.
+            write = functools.partial(asyncio.to_thread, transfer.write, client.segment, span)
+            await _pair(write, functools.partial(_beside, write, functools.partial(
+                asyncio.to_thread, checksums_at, addrs, nbytes)), polled_w, polled_w_sums, len(polled_w) % 2 == 1)
         t0 = time.perf_counter()
         dt, resp = await _timed(client.pin(hashes))
         ctrl["get"].append(dt)
@@ -118,9 +132,9 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         ctrl["release"].append(dt)
         if raw:
             raw_w.append(await _timed_raw(e.transfer_sync_write, client.segment, local.data_ptr(), base, total))
-            polled_r.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span)))[0])
             check = functools.partial(_verify, base=local.data_ptr(), nbytes=nbytes, sums=resp.slots.checksums)
-            polled_r_sums.append((await _timed(asyncio.to_thread(transfer.read, client.segment, span, check)))[0])
+            read = functools.partial(asyncio.to_thread, transfer.read, client.segment, span)
+            await _pair(read, functools.partial(read, check), polled_r, polled_r_sums, len(polled_r) % 2 == 1)
             raw_r.append(await _timed_raw(e.transfer_sync_read, client.segment, local.data_ptr(), base, total))
     grpc_put, grpc_get = [], []  # (as many puts as _bench_row made room for)
     data = local[:total].numpy().tobytes() if total <= GRPC_MAX_BYTES else b""
@@ -143,8 +157,9 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
                 "raw_polled_write_gbps": total / med(polled_w) / GB, "raw_polled_read_gbps": total / med(polled_r) / GB}
         out |= {"put_vs_raw": out["store_put_gbps"] / max(out["raw_write_gbps"], out["raw_polled_write_gbps"]),
                 "get_vs_raw": out["store_get_gbps"] / max(out["raw_read_gbps"], out["raw_polled_read_gbps"]),
-                "checksum_cost_of_put": (med(polled_w_sums) - med(polled_w)) / med(put_s),
-                "checksum_cost_of_get": (med(polled_r_sums) - med(polled_r)) / med(get_s)}
+                "checksum_cost_of_put": med(map(operator.sub, polled_w_sums, polled_w)) / med(put_s),
+                "checksum_cost_of_get": med(map(operator.sub, polled_r_sums, polled_r)) / med(get_s),
+                "checksum_pairs": len(polled_w)}
     return out
 
 
