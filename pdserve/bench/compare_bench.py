@@ -107,6 +107,26 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _policy_targets(by: dict) -> list[Target]:
+    """cache_aware against round_robin in the same run: no errors but refusals, refused fast, and
+    TTFT no worse while reusing more of the prefill workers' own caches."""
+    ca, rr = by.get(("disagg", "cache_aware")), by.get(("disagg", "round_robin"))
+    if ca is None or rr is None:
+        return []
+    a, b = ca["summary"], rr["summary"]
+    out = [Target("cache_aware_errors_other_than_refusals", a["other_errors"], "requests", 0, "<=")]
+    if a["refused"]:
+        out.append(Target("cache_aware_refusal_p99", a["refusal_ms"]["p99"], "ms", 50.0, "<="))
+    for q in ("p50", "p99"):
+        if a["ok"] and b["ok"]:
+            out.append(Target(f"cache_aware_ttft_{q}_vs_round_robin", a["ttft_ms"][q] / b["ttft_ms"][q], "x", 1.0,
+                              "<="))
+    if b["hit_tokens_local"]:
+        out.append(Target("cache_aware_local_hits_vs_round_robin", a["hit_tokens_local"] / b["hit_tokens_local"],
+                          "x", 1.0, ">="))
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     reqs = build_workload(args)
     runs = []
@@ -117,7 +137,8 @@ def run(args: argparse.Namespace) -> None:
                               decode_kv_tokens=args.decode_kv_tokens,
                               threads=args.threads, pin=args.pin,
                               extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
-                                                  if mode == "disagg" else ()),
+                                                  if mode == "disagg" else ()) + (
+                                  ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()),
                               extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
             runs.append(run_config(spec, reqs, args))
     capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
@@ -133,6 +154,7 @@ def run(args: argparse.Namespace) -> None:
     if goodputs.get("colocated") and "disagg" in goodputs:
         targets.append(Target("goodput_disagg_vs_colocated", goodputs["disagg"] / goodputs["colocated"], "x", 1.5,
                               ">="))
+    targets += _policy_targets(by)
     route_p99 = [r["route_ms"]["p99"] for r in runs if r["mode"] == "disagg"]
     if route_p99:
         targets.append(Target("router_decision_p99", max(route_p99), "ms", 2.0, "<="))
@@ -164,6 +186,8 @@ def add_parser(sub) -> None:
                    help="disagg: prompts with fewer uncached tokens prefill on decode (conditional disaggregation)")
     p.add_argument("--pin", action="store_true",
                    help="workers on CPUs of their own: disagg, P pool and D pool apart; colocated, one CPU each")
+    p.add_argument("--router-ttft-slo-ms", type=float, default=0.0,
+                   help="the router refuses at once what its TTFT estimate says would take longer (0: never)")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

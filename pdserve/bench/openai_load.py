@@ -119,7 +119,7 @@ async def openai_one(client, url: str, model: str, req: BenchRequest, t_start: f
         rec.output_tokens = usage["completion_tokens"] if usage else counted
         rec.finish(t0)
     except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
-        rec.error = f"{type(e).__name__}: {e}"
+        rec.fail(t0, e)
     return rec
 
 

@@ -67,7 +67,7 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.route_ms = item.timings["route_ms"]
         rec.finish(t0)
     except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
-        rec.error = f"{type(e).__name__}: {e}"
+        rec.fail(t0, e)
     return rec
 
 

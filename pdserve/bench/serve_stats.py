@@ -33,6 +33,7 @@ class Record:
     expected_hit_tokens: int = 0  # what the router expected this prompt to reuse where it sent it
     best_hit_tokens: int = 0  # what the best-placed prefill worker could have reused, per the router
     route_ms: float = math.nan  # the routing decision, measured inside the router
+    error_ms: float = math.nan  # a failed request: how long its failure took to arrive
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +44,11 @@ class Record:
         if self.output_tokens > 1:
             self.tpot_ms = (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
         self.ok = True
+
+    def fail(self, t0: float, e: Exception) -> None:
+        """The request that started at perf_counter `t0` failed with `e`, now."""
+        self.error_ms = (time.perf_counter() - t0) * 1e3
+        self.error = f"{type(e).__name__}: {e}"
 
 
 async def gather_progress(coros: list, progress: bool) -> list:
@@ -101,6 +107,10 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
     out["itl_ms"] = {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}
     out["route_ms"] = {f"p{q}": percentile([r.route_ms for r in ok], q) for q in (50, 90, 99)}
     out["error_samples"] = sorted({r.error for r in records if not r.ok})[:5]
+    # Refusals (RESOURCE_EXHAUSTED: overload said so) apart from every other error, and how fast.
+    refused = [r for r in records if not r.ok and "RESOURCE_EXHAUSTED" in r.error]
+    out["refused"], out["other_errors"] = len(refused), out["errors"] - len(refused)
+    out["refusal_ms"] = {f"p{q}": percentile([r.error_ms for r in refused], q) for q in (50, 99)}
     out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else 0.0
     out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
