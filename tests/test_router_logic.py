@@ -3,8 +3,18 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 from pdserve.engine.sampling import SamplingParams
-from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, estimate_ttft_ms
+from services.router.policy import (
+    Coefficients,
+    DecodeCandidate,
+    Policy,
+    PrefillCandidate,
+    PrefillCost,
+    estimate_ttft_ms,
+)
 from services.router.recent import RecentRoutes
 
 
@@ -43,13 +53,13 @@ def test_recent_routes_binary_search_on_long_chains():
 
 
 def test_ttft_estimate_and_choices():
-    coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01)
+    coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01, request_ms=5.0)
     idle_cached = PrefillCandidate("p0", queued_tokens=0, local_hit_tokens=800, inflight=0)
-    busy_cold = PrefillCandidate("p1", queued_tokens=2000, local_hit_tokens=0, inflight=3)
+    busy_cold = PrefillCandidate("p1", queued_tokens=2000, local_hit_tokens=0, inflight=3, queued_requests=3)
     est, local, fetched = estimate_ttft_ms(idle_cached, 1000, store_hit_tokens=960, coef=coef)
-    assert (round(est, 6), local, fetched) == (round(40 * 0.1 + 160 * 0.01, 6), 800, 160)
+    assert (round(est, 6), local, fetched) == (round(5 + 40 * 0.1 + 160 * 0.01, 6), 800, 160)
     est1, _, fetched1 = estimate_ttft_ms(busy_cold, 1000, store_hit_tokens=960, coef=coef)
-    assert fetched1 == 960 and round(est1, 6) == round(200 + 40 * 0.1 + 960 * 0.01, 6)
+    assert fetched1 == 960 and round(est1, 6) == round(4 * 5 + (2000 + 40) * 0.1 + 960 * 0.01, 6)
     assert Policy("cache_aware").choose_prefill([busy_cold, idle_cached], 1000, 960, coef).worker_id == "p0"
     assert Policy("least_loaded").choose_prefill([busy_cold, idle_cached], 1000, 960, coef).worker_id == "p0"
     rr = Policy("round_robin")
@@ -80,20 +90,47 @@ def test_ties_rotate_over_the_pool_so_every_cache_fills():
     d = Policy.choose_decode([DecodeCandidate("d0", 10, 0), DecodeCandidate("d1", 50, 9),
                               DecodeCandidate("d2", 50, 2)], blocks_needed=20)
     assert d.worker_id == "d2" and Policy.choose_decode([DecodeCandidate("d0", 10, 0)], 20) is None
-    coef.observe(computed_tokens=100, prefill_ms=50, store_tokens=0, load_ms=0)
-    assert round(coef.prefill_ms_per_token, 6) == round(0.1 + 0.2 * (0.5 - 0.1), 6)
+
+
+def test_a_queue_of_short_cached_prompts_is_priced_by_its_requests_too():
+    """Each prefill costs a fixed part whatever its length: twenty queued prompts of 10 tokens to
+    compute outweigh a 650-token miss on an idle worker (priced by tokens alone they would not,
+    and a burst sharing one prefix would all go where the prefix is)."""
+    coef = Coefficients(prefill_ms_per_token=0.08, fetch_ms_per_token=0.01, request_ms=20.0)
+    herd = PrefillCandidate("p0", queued_tokens=20 * 10, local_hit_tokens=600, inflight=20, queued_requests=20)
+    idle = PrefillCandidate("p1", queued_tokens=0, local_hit_tokens=0, inflight=0)
+    choice = Policy("cache_aware").choose_prefill([herd, idle], 650, 0, coef)
+    assert (choice.worker_id, choice.queue) == ("p1", PrefillCost(0, 0, 0))
+    choice = Policy("cache_aware").choose_prefill([replace(herd, queued_requests=0), idle], 650, 0, coef)
+    assert (choice.worker_id, choice.queue) == ("p0", PrefillCost(0, 200, 0))
+
+
+def test_the_cost_coefficients_are_fitted_to_the_times_to_first_token_workers_report():
+    """Fitted to what the estimate predicts: each prefill's time to its first token against the
+    queue it joined (requests, tokens) and what it fetched; first at 32 samples, then every 16."""
+    coef = Coefficients(prefill_ms_per_token=1.0, fetch_ms_per_token=1.0, request_ms=1.0)
+    shapes = itertools.cycle([(1, 16, 0), (3, 500, 256), (2, 1000, 0), (1, 64, 1024), (5, 2000, 512), (1, 300, 64)])
+    samples = [PrefillCost(*shape) for shape in itertools.islice(shapes, 32)]
+    truth = Coefficients(prefill_ms_per_token=0.08, fetch_ms_per_token=0.02, request_ms=12.0)
+    for cost in samples[:31]:
+        coef.observe(cost, truth.ms(cost))
+    assert (coef.samples, coef.request_ms) == (31, 1.0)
+    coef.observe(samples[31], truth.ms(samples[31]))
+    assert [round(getattr(coef, n), 6) for n in Coefficients.NAMES] == [12.0, 0.08, 0.02]
+    # No store hits in the window: the fetch coefficient cannot be told, and keeps its value.
+    nofetch = Coefficients(fetch_ms_per_token=0.5)
+    for i in range(32):
+        nofetch.observe(PrefillCost(1 + i % 3, 10 * i + 1, 0), 4.0 * (1 + i % 3) + 0.1 * (10 * i + 1))
+    assert [round(getattr(nofetch, n), 6) for n in Coefficients.NAMES] == [4.0, 0.1, 0.5]
 
 
 def test_a_request_without_a_client_deadline_gets_one_sized_to_its_work():
-    from types import SimpleNamespace
-
     from services.router.config import RouterConfig
-    from services.router.router import Router
 
-    router = SimpleNamespace(cfg=RouterConfig())  # the method reads cfg only
-    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), None) == 30 + 5 + 25
-    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), 2.5) == 2.5  # the client's own
-    assert Router.deadline_s(router, 1000, SamplingParams(max_tokens=100), -1.0) == 0.001  # already past
+    cfg = RouterConfig()
+    assert cfg.deadline_s(1000, 100, None) == 30 + 5 + 25
+    assert cfg.deadline_s(1000, 100, 2.5) == 2.5  # the client's own
+    assert cfg.deadline_s(1000, 100, -1.0) == 0.001  # already past
 
 
 def test_prefix_lookup_counts_each_workers_run_and_the_store_run_after_it(shared_redis_url, key_prefix):
@@ -146,3 +183,45 @@ def test_a_routed_prompt_queues_only_the_tokens_it_computes():
     assert Route(None, None, "cache_aware", 700, 200, 0.0, 0.0).queued_tokens(1000) == 100
     assert Route(None, None, "cache_aware", 0, 0, 0.0, 0.0).queued_tokens(1000) == 1000
     assert Route(None, None, "cache_aware", 999, 0, 0.0, 0.0).queued_tokens(1000) == 1
+
+
+def test_over_the_ttft_slo_is_refused_at_once_even_when_it_would_queue_for_decode_room():
+    """With an SLO, a request whose estimate is over it is refused (RESOURCE_EXHAUSTED, with a
+    retry hint) before it could queue for decode room; one under it queues (NoRoom); without an
+    SLO, no room means queueing, as before. A fake pool and look-up, for the routing logic."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pdserve.cluster.prefix_index import PrefixHits
+    from pdserve.errors import ResourceExhausted
+    from services.router.admission import NoRoom
+    from services.router.config import RouterConfig
+    from services.router.metrics import Metrics
+    from services.router.router import Router
+    from services.router.workers import WorkerView
+
+    prefill = WorkerView("p0", "prefill", "unused", load={"queued_tokens": 0}, healthy=True)
+    decode = WorkerView("d0", "decode", "unused", load={"free_kv_blocks": 0, "total_kv_blocks": 1000}, healthy=True)
+    pool = SimpleNamespace(workers={"p0": prefill, "d0": decode}, redis_ok=False,
+                           usable=lambda role: [w for w in (prefill, decode) if w.role == role])
+
+    async def no_hits(hashes, ids):
+        return PrefixHits({}, 0)
+
+    def route(slo_ms: float, prompt_tokens: int):
+        router = SimpleNamespace(cfg=RouterConfig(ttft_slo_ms=slo_ms), pool=pool, policy=Policy("cache_aware"),
+                                 profile=SimpleNamespace(block_size=16), metrics=Metrics(), _lookup=no_hits,
+                                 recent=RecentRoutes(ttl_s=3.0), coef=Coefficients(prefill_ms_per_token=0.1,
+                                                                                   request_ms=5.0))
+        return asyncio.run(Router.route(router, list(range(prompt_tokens)), [], SamplingParams(max_tokens=8)))
+
+    with pytest.raises(ResourceExhausted, match=r"estimated TTFT 205 ms exceeds the SLO 100 ms; retry in about 105"
+                       ) as refused:
+        route(100.0, 2000)
+    assert not isinstance(refused.value, NoRoom)
+    with pytest.raises(NoRoom):
+        route(100.0, 100)  # 15 ms: under the SLO, so it waits for room
+    with pytest.raises(NoRoom):
+        route(0.0, 2000)

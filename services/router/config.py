@@ -55,3 +55,11 @@ class RouterConfig:
         if self.max_tokens_cap <= 0:
             raise ValueError("max_tokens_cap must be positive")
         parse_cpus(self.cpus)
+
+    def deadline_s(self, prompt_tokens: int, max_tokens: int, client_s: float | None) -> float:
+        """Seconds a request may take at every hop: the client's deadline when it set one, else a
+        default sized to the work."""
+        if client_s is not None:
+            return max(client_s, 0.001)
+        return (self.request_timeout_s + prompt_tokens * self.timeout_ms_per_prompt_token / 1e3
+                + max_tokens * self.timeout_ms_per_output_token / 1e3)

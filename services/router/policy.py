@@ -2,7 +2,11 @@
 
 Prefill (cache_aware): the lowest estimated TTFT, Mooncake Conductor's rule:
     queue_wait(P) + prefill_time(uncached tokens) + fetch_time(store-held tokens beyond P's own)
-with per-token coefficients learned from the workers' reported timings (EWMA), not constants.
+where the queue and the request itself are priced alike, per request (control calls and steps,
+whatever a prompt's length: a queue of short, mostly cached prompts is not free) and per token.
+The coefficients are fitted to what the estimate predicts: each prefill's time from the router
+sending it to its first token arriving back, against the queue it joined and what it computed
+and fetched (least squares over the recent ones), not constants.
 Decode: among workers with room for prompt + max_tokens, the most free KV blocks, then fewest
 running sequences.
 """
@@ -10,7 +14,10 @@ running sequences.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,17 @@ class PrefillCandidate:
     local_hit_tokens: int
     inflight: int
     store_hit_tokens: int | None = None  # leading tokens it can load (own run + store); None: the pool-wide figure
+    queued_requests: int = 0  # prefills there ahead of this one
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """What a prefill's time to first token is priced by: the requests and tokens to compute
+    (its queue's and its own) and the tokens it fetches."""
+
+    requests: int
+    tokens: int
+    fetched: int
 
 
 @dataclass(frozen=True)
@@ -36,24 +54,52 @@ class PrefillChoice:
     expected_local_tokens: int
     expected_store_tokens: int
     best_hit_tokens: int  # the most any candidate could have reused: what the choice gave up for load shows
+    queue: PrefillCost  # the chosen worker's queue, as estimated
 
 
 class Coefficients:
-    """ms per computed prompt token and per store-fetched token, learned from PrefillResponses."""
+    """ms per prefill request, per computed token and per fetched token: ms(cost) = requests *
+    request_ms + tokens * prefill_ms_per_token + fetched * fetch_ms_per_token, fitted by least
+    squares to the last WINDOW prefills. Owns those samples."""
 
-    def __init__(self, prefill_ms_per_token: float = 0.1, fetch_ms_per_token: float = 0.01, alpha: float = 0.2):
+    WINDOW, REFIT_EVERY, MIN_SAMPLES = 256, 16, 32
+    NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token")
+
+    def __init__(self, prefill_ms_per_token: float = 0.1, fetch_ms_per_token: float = 0.01,
+                 request_ms: float = 5.0):
+        self.request_ms = request_ms
         self.prefill_ms_per_token = prefill_ms_per_token
         self.fetch_ms_per_token = fetch_ms_per_token
-        self.alpha = alpha
+        self._recent: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
 
-    def observe(self, computed_tokens: int, prefill_ms: float, store_tokens: int, load_ms: float) -> None:
-        a = self.alpha
-        if computed_tokens > 0 and prefill_ms > 0:
-            self.prefill_ms_per_token += a * (prefill_ms / computed_tokens - self.prefill_ms_per_token)
-        if store_tokens > 0 and load_ms > 0:
-            self.fetch_ms_per_token += a * (load_ms / store_tokens - self.fetch_ms_per_token)
+    def ms(self, c: PrefillCost) -> float:
+        return c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token + c.fetched * self.fetch_ms_per_token
+
+    def observe(self, cost: PrefillCost, first_token_ms: float) -> None:
+        """A prefill of `cost` (its queue's and its own) took `first_token_ms` to its first token."""
+        if first_token_ms <= 0:
+            return
+        self._recent.append((cost.requests, cost.tokens, cost.fetched, first_token_ms))
         self.samples += 1
+        if len(self._recent) >= self.MIN_SAMPLES and self.samples % self.REFIT_EVERY == 0:
+            self._fit()
+
+    def _fit(self) -> None:
+        """A coefficient the samples cannot tell (its column never varies) or that comes out
+        negative keeps its value; the others are fitted again without it."""
+        data = np.array(self._recent, dtype=np.float64)
+        x, y = data[:, :3], data[:, 3]
+        free = [i for i in range(3) if np.ptp(x[:, i]) > 0]
+        while free:
+            fixed = [i for i in range(3) if i not in free]
+            rest = y - sum(x[:, i] * getattr(self, self.NAMES[i]) for i in fixed)
+            fit = np.linalg.lstsq(x[:, free], rest, rcond=None)[0]
+            if (fit >= 0).all():
+                for i, v in zip(free, fit, strict=True):
+                    setattr(self, self.NAMES[i], float(v))
+                return
+            free = [i for i, v in zip(free, fit, strict=True) if v >= 0]
 
 
 def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: int, coef: Coefficients) -> tuple[
@@ -64,8 +110,16 @@ def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: 
         store_hit_tokens = c.store_hit_tokens
     fetched = max(0, min(store_hit_tokens, prompt_tokens - 1) - local)
     uncached = prompt_tokens - local - fetched
-    queue_ms = c.queued_tokens * coef.prefill_ms_per_token
-    return queue_ms + uncached * coef.prefill_ms_per_token + fetched * coef.fetch_ms_per_token, local, fetched
+    return coef.ms(PrefillCost(c.queued_requests + 1, c.queued_tokens + uncached, fetched)), local, fetched
+
+
+def over_slo(estimate_ms: float, waited_ms: float, slo_ms: float) -> str:
+    """Why a request is refused under a TTFT SLO (0: none), or "" when it is not."""
+    over = waited_ms + estimate_ms - slo_ms
+    if not slo_ms or over <= 0:
+        return ""
+    waited = f" after {waited_ms:.0f} ms waiting for decode room" if waited_ms else ""
+    return f"estimated TTFT {estimate_ms:.0f} ms{waited} exceeds the SLO {slo_ms:.0f} ms; retry in about {over:.0f} ms"
 
 
 class Policy:
@@ -97,7 +151,7 @@ class Policy:
                                                                   self._staleness(s[1].worker_id), s[1].worker_id))
         self._last_chosen[c.worker_id] = next(self._turn)
         best = max(s[0][1] + s[0][2] for s in scored)
-        return PrefillChoice(c.worker_id, est, local, fetched, best)
+        return PrefillChoice(c.worker_id, est, local, fetched, best, PrefillCost(c.queued_requests, c.queued_tokens, 0))
 
     @staticmethod
     def choose_decode(cands: list[DecodeCandidate], blocks_needed: int) -> DecodeCandidate | None:

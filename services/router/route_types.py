@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.router.policy import PrefillCost
 from services.router.workers import WorkerView
 
 # A worker's call that ended with one of these may succeed on another worker.
@@ -25,6 +26,7 @@ class Route:
     route_ms: float
     best_hit_tokens: int = 0  # the most prompt tokens any prefill worker could have reused, per the index
     decode_blocks: int = 0  # KV blocks the request reserves on its decode worker
+    prefill_queue: PrefillCost | None = None  # what was ahead of it on its prefill worker, as estimated
 
     def queued_tokens(self, prompt_tokens: int) -> int:
         """What this request adds to its prefill worker's queue: the tokens it is expected to

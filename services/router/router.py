@@ -28,7 +28,7 @@ from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
 from services.router.config import RouterConfig
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from services.router.metrics import Metrics
-from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate
+from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, PrefillCost, over_slo
 from services.router.prompt_encoder import PromptEncoder
 from services.router.recent import RecentRoutes
 from services.router.route_types import RETRY_ON, Route, Summary, TokenOut, log_request
@@ -90,8 +90,9 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------
     async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
-                    exclude: set[str] | frozenset[str] = frozenset()) -> Route:
-        """`exclude`: workers not to choose (this request already failed there)."""
+                    exclude: set[str] | frozenset[str] = frozenset(), waited_ms: float = 0.0) -> Route:
+        """`exclude`: workers not to choose (this request already failed there). `waited_ms`: how
+        long it has waited for room already (the TTFT SLO counts it)."""
         t0 = time.perf_counter()
         decodes = self.pool.usable("decode")
         prefills = [w for w in self.pool.usable("prefill") if w.worker_id not in exclude]
@@ -107,9 +108,9 @@ class Router:
                                     "all; shorten the prompt or max_tokens")
         if not decodes:
             raise NoWorkers(f"no healthy decode worker ({len(self.pool.workers)} registered)")
-        if dchoice is None:
-            raise NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
-        decode = self.pool.workers[dchoice.worker_id]
+        no_room = NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
+        if dchoice is None and not self.cfg.ttft_slo_ms:
+            raise no_room
         t_lookup = time.perf_counter()
         hits = await self._lookup(hashes, [w.worker_id for w in prefills])
         self.metrics.observe("route_lookup_ms", (time.perf_counter() - t_lookup) * 1e3)
@@ -123,24 +124,31 @@ class Router:
             # Queue: the heartbeat's figure is up to a beat old; what this router sent since is certain.
             pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
                                        hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight,
-                                       loadable[w.worker_id]) for w in prefills]
+                                       loadable[w.worker_id],
+                                       max(int(w.load.get("running_requests", 0)), w.inflight_prefills))
+                      for w in prefills]
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
-        if not prefills or uncached < self.cfg.colocate_below_tokens:
+        colocate = not prefills or uncached < self.cfg.colocate_below_tokens
+        # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
+        if not colocate and (refusal := over_slo(choice.estimated_ttft_ms, waited_ms, self.cfg.ttft_slo_ms)):
+            raise ResourceExhausted(refusal)
+        if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
+            raise no_room
+        decode = self.pool.workers[dchoice.worker_id]
+        if colocate:
             return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3,
                          decode_blocks=need)
-        if self.cfg.ttft_slo_ms and choice.estimated_ttft_ms > self.cfg.ttft_slo_ms:
-            raise ResourceExhausted(
-                f"estimated TTFT {choice.estimated_ttft_ms:.0f} ms exceeds the SLO {self.cfg.ttft_slo_ms:.0f} ms; "
-                f"retry in about {choice.estimated_ttft_ms - self.cfg.ttft_slo_ms:.0f} ms")
         self.recent.add(choice.worker_id, hashes)
         return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
                      choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
-                     choice.best_hit_tokens, need)
+                     choice.best_hit_tokens, need, choice.queue)
 
     async def admitted_route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
                              exclude: set[str], deadline: float) -> Route:
-        return await self.admission.admit(lambda: self.route(ids, hashes, params, exclude), deadline)
+        t0 = time.perf_counter()
+        return await self.admission.admit(
+            lambda: self.route(ids, hashes, params, exclude, (time.perf_counter() - t0) * 1e3), deadline)
 
     def index_source(self) -> str:
         """Where the next look-up reads the prefix index: "mirror", "redis", or "" (not read)."""
@@ -173,7 +181,7 @@ class Router:
         summary, status = None, "OK"
         try:
             async for item in self._generate(request_id, ids, params,
-                                             self.deadline_s(len(ids), params, client_deadline_s),
+                                             self.cfg.deadline_s(len(ids), params.max_tokens, client_deadline_s),
                                              StopStrings(stop) if stop else None):
                 if isinstance(item, Summary):
                     summary = item
@@ -296,13 +304,13 @@ class Router:
         prefill_pending = route.prefill is not None
         queued = route.queued_tokens(len(ids))
         if prefill_pending:
-            route.prefill.inflight_tokens += queued
+            route.prefill.count_prefill(queued, 1)
         try:
             async with aclosing(self._dispatch(request_id, ids, params, route, summary,
                                                max(deadline - time.monotonic(), 0.001))) as items:
                 async for item in items:
                     if item.index == 0 and prefill_pending:
-                        route.prefill.inflight_tokens -= queued
+                        route.prefill.count_prefill(queued, -1)
                         prefill_pending = False
                     yield item
         except DispatchError as e:
@@ -316,17 +324,8 @@ class Router:
                 w.inflight -= 1
             route.decode.inflight_blocks -= route.decode_blocks
             if prefill_pending:
-                route.prefill.inflight_tokens -= queued
+                route.prefill.count_prefill(queued, -1)
             self.admission.room_freed()
-
-    def deadline_s(self, prompt_tokens: int, params: SamplingParams, client_s: float | None) -> float:
-        """Seconds the request may take at every hop: the client's deadline when it set one,
-        else a default sized to the work."""
-        if client_s is not None:
-            return max(client_s, 0.001)
-        c = self.cfg
-        return (c.request_timeout_s + prompt_tokens * c.timeout_ms_per_prompt_token / 1e3
-                + params.max_tokens * c.timeout_ms_per_output_token / 1e3)
 
     async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary, timeout_s: float):
         sampling = sampling_to_pb(params)
@@ -335,11 +334,12 @@ class Router:
                 async for item in items:
                     yield item
             return
+        t_sent = time.perf_counter()
         async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
                                           self.profile_pb, timeout_s)) as events:
             async for ev in events:
                 if isinstance(ev, FirstFromPrefill):
-                    await self._account(ev.response, route, len(ids))
+                    await self._account(ev.response, route, len(ids), (time.perf_counter() - t_sent) * 1e3)
                     u = ev.response.usage
                     summary.cached_local, summary.cached_store, summary.computed = (
                         u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
@@ -370,9 +370,12 @@ class Router:
         finally:
             call.cancel()
 
-    async def _account(self, resp, route: Route, prompt_tokens: int) -> None:
-        u, t = resp.usage, resp.timings
-        self.coef.observe(u.computed_tokens, t.prefill_ms, u.cached_tokens_store, t.queue_ms)
+    async def _account(self, resp, route: Route, prompt_tokens: int, first_token_ms: float) -> None:
+        """`first_token_ms`: from sending the request to its first token here."""
+        u = resp.usage
+        q = route.prefill_queue or PrefillCost(0, 0, 0)
+        self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens, u.cached_tokens_store),
+                          first_token_ms)
         hit = u.cached_tokens_local + u.cached_tokens_store
         self.metrics.count("prompt_tokens", prompt_tokens)
         self.metrics.count("hit_tokens_local", u.cached_tokens_local)

@@ -54,6 +54,7 @@ class WorkerView:
     health: object = None
     inflight: int = 0  # requests this router has on it now
     inflight_tokens: int = 0  # tokens to compute, of prompts this router sent it whose prefill has not returned
+    inflight_prefills: int = 0  # ...and how many prompts
     inflight_blocks: int = 0  # decode: KV blocks this router's requests there reserve
     inflight_blocks_at_read: int = 0  # ...as they were when `load` was last read
 
@@ -61,6 +62,11 @@ class WorkerView:
         """Decode: free KV blocks, the heartbeat's figure corrected by what this router has
         sent there, or seen end, since it read it (a heartbeat is up to a beat old)."""
         return int(self.load.get("free_kv_blocks", 0)) - (self.inflight_blocks - self.inflight_blocks_at_read)
+
+    def count_prefill(self, tokens: int, n: int) -> None:
+        """Prefill: `n` prompts (of `tokens` to compute) sent (n = 1) or returned (n = -1)."""
+        self.inflight_tokens += tokens * n
+        self.inflight_prefills += n
 
     @property
     def usable(self) -> bool:
