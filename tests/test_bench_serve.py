@@ -58,6 +58,7 @@ def test_percentiles_attainment_and_goodput_on_known_inputs():
     assert goodput({4.0: 0.95, 1.0: 0.95, 2.0: 0.85}) == 1.0  # 4/s passing above a failed 2/s does not count
     s = summarize(recs, wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
     assert s["ttft_ms"]["p50"] == 250 and s["ok"] == 4 and s["errors"] == 1 and s["throughput_rps"] == 2.0
+    assert math.isnan(s["router_ttft_ms"]["p50"])  # (not measured: absent from these records)
     # Refusals apart from other errors, with how fast they came.
     failed = [Record(0, 10, 4, error="ResourceExhausted: RESOURCE_EXHAUSTED: queue full", error_ms=ms)
               for ms in (2.0, 4.0)] + [Record(0, 10, 4, error="PdserveError: INTERNAL: boom", error_ms=900.0)]

@@ -65,6 +65,7 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.expected_hit_tokens = item.route["expected_hit_tokens"]
                 rec.best_hit_tokens = item.route["best_hit_tokens"]
                 rec.route_ms = item.timings["route_ms"]
+                rec.router_ttft_ms = item.timings.get("ttft_ms", math.nan)
         rec.finish(t0)
     except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
         rec.fail(t0, e)

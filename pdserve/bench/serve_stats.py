@@ -33,6 +33,7 @@ class Record:
     expected_hit_tokens: int = 0  # what the router expected this prompt to reuse where it sent it
     best_hit_tokens: int = 0  # what the best-placed prefill worker could have reused, per the router
     route_ms: float = math.nan  # the routing decision, measured inside the router
+    router_ttft_ms: float = math.nan  # TTFT measured inside the router (from the request reaching it)
     error_ms: float = math.nan  # a failed request: how long its failure took to arrive
 
     def to_dict(self) -> dict:
@@ -106,6 +107,7 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
     itl = [x for r in ok for x in r.itl_ms]
     out["itl_ms"] = {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}
     out["route_ms"] = {f"p{q}": percentile([r.route_ms for r in ok], q) for q in (50, 90, 99)}
+    out["router_ttft_ms"] = {f"p{q}": percentile([r.router_ttft_ms for r in ok], q) for q in (50, 90, 99)}
     out["error_samples"] = sorted({r.error for r in records if not r.ok})[:5]
     # Refusals (RESOURCE_EXHAUSTED: overload said so) apart from every other error, and how fast.
     refused = [r for r in records if not r.ok and "RESOURCE_EXHAUSTED" in r.error]
