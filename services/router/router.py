@@ -339,7 +339,7 @@ class Router:
                                           self.profile_pb, timeout_s)) as events:
             async for ev in events:
                 if isinstance(ev, FirstFromPrefill):
-                    await self._account(ev.response, route, len(ids), (time.perf_counter() - t_sent) * 1e3)
+                    await self._account(ev.response, route, len(ids), (ev.at - t_sent) * 1e3)
                     u = ev.response.usage
                     summary.cached_local, summary.cached_store, summary.computed = (
                         u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
