@@ -59,6 +59,21 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class ClusterStats:
+    """The cluster tier below DRAM, as one store node sees it (see ClusterStats in kvstore.proto)."""
+
+    connected: bool
+    spilled: int
+    put_failures: int
+    spill_dropped: int
+    fetched: int
+    fetch_misses: int
+    fetch_timeouts: int
+    corrupt: int
+    unreachable: int
+
+
+@dataclass(frozen=True)
 class StoreStats:
     tiers: list[TierStats]
     hits: int
@@ -70,6 +85,7 @@ class StoreStats:
     redis_connected: bool
     corrupt_blocks: int  # blocks found failing their checksum, dropped
     fenced_blocks: int  # slots quarantined now
+    cluster: ClusterStats | None = None  # None: the store has no cluster tier
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.tier == name)
@@ -82,7 +98,9 @@ def stats_from_pb(m: pb.StatsResponse) -> StoreStats:
     tiers = [TierStats(_TIER_NAME[t.tier], t.capacity_blocks, t.used_blocks, t.pinned_blocks, t.hits, t.evictions,
                        t.promotions, t.duplicate_blocks) for t in m.tiers]
     return StoreStats(tiers, m.hits, m.misses, m.bytes_written, m.bytes_read, m.active_leases, m.watchers,
-                      m.redis_connected, m.corrupt_blocks, m.fenced_blocks)
+                      m.redis_connected, m.corrupt_blocks, m.fenced_blocks,
+                      ClusterStats(**{f: getattr(m.cluster, f) for f in ClusterStats.__dataclass_fields__})
+                      if m.HasField("cluster") else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,3 +154,59 @@ class ServiceProcess:
             self._log.close()
             self._log = None
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def mooncake_master_exe() -> str:
+    """The `mooncake_master` the transfer-engine wheel ships (beside this interpreter, or on PATH)."""
+    beside = Path(sys.executable).with_name("mooncake_master")
+    exe = str(beside) if beside.exists() else shutil.which("mooncake_master")
+    if exe is None:
+        raise RuntimeError("mooncake_master not found: it comes with the mooncake-transfer-engine wheel")
+    return exe
+
+
+class MooncakeMaster:
+    """A mooncake_master of our own (the cluster tier's metadata and placement service) on a
+    free port, bound to `host`; stopped by its pid, never anyone else's. It keeps object
+    metadata in memory only: a restarted master starts empty."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: str | None = None) -> None:
+        self.exe = mooncake_master_exe()
+        self.host = host
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 20) -> MooncakeMaster:
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*die_with_parent(), self.exe, f"--rpc_port={self.port}", f"--rpc_address={self.host}",
+             f"--metrics_host={self.host}", f"--metrics_port={free_port()}",
+             "--enable_http_metadata_server=false"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if time.time() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"mooncake_master did not start on {self.address}") from None
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()

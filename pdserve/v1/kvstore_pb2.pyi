@@ -303,7 +303,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., duplicate_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected", "corrupt_blocks", "fenced_blocks")
+    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected", "corrupt_blocks", "fenced_blocks", "cluster")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class StatsResponse(_message.Message):
     REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     hits: int
     misses: int
@@ -324,4 +325,27 @@ class StatsResponse(_message.Message):
     redis_connected: bool
     corrupt_blocks: int
     fenced_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ...) -> None: ...
+    cluster: ClusterStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+
+class ClusterStats(_message.Message):
+    __slots__ = ("connected", "spilled", "put_failures", "spill_dropped", "fetched", "fetch_misses", "fetch_timeouts", "corrupt", "unreachable")
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MISSES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    connected: bool
+    spilled: int
+    put_failures: int
+    spill_dropped: int
+    fetched: int
+    fetch_misses: int
+    fetch_timeouts: int
+    corrupt: int
+    unreachable: int
+    def __init__(self, connected: _Optional[bool] = ..., spilled: _Optional[int] = ..., put_failures: _Optional[int] = ..., spill_dropped: _Optional[int] = ..., fetched: _Optional[int] = ..., fetch_misses: _Optional[int] = ..., fetch_timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ..., unreachable: _Optional[int] = ...) -> None: ...

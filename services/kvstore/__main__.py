@@ -11,6 +11,7 @@ import torch
 from pdserve import logs
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.store_index import RedisIndex
+from pdserve.kv.hashing import root_hash
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kvclient.transfer import Transfer
 from pdserve.model.config import parse_dtype
@@ -18,6 +19,7 @@ from pdserve.runtime import gc_tuning
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.cluster import ClusterConfig, ClusterTier
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.memory import TierMemory
 from services.kvstore.servicer import KVStoreServicer
@@ -55,14 +57,21 @@ async def main() -> None:
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     transfer.register(device.buffer)
     transfer.register(dram.buffer)
+    cluster = None
+    if cfg.cluster_store == "mooncake":
+        cluster = ClusterTier(ClusterConfig(cfg.cluster_master, cfg.te_host, cfg.cluster_metadata,
+                                            cfg.cluster_protocol, cfg.cluster_segment_bytes,
+                                            cfg.cluster_buffer_bytes, cfg.cluster_timeout_ms / 1000),
+                              root_hash(profile), block_nbytes)
     store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000,
-                       max_lease_s=cfg.max_lease_ms / 1000, max_leases_per_client=cfg.max_leases_per_client)
+                       max_lease_s=cfg.max_lease_ms / 1000, max_leases_per_client=cfg.max_leases_per_client,
+                       below=cluster.spill if cluster is not None else None)
     index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
     store.index = index
     # (abstract Unix sockets are Linux's; the name is unique to this process)
     unix = f"unix-abstract:pdserve-kvstore-{uuid.uuid4().hex}" if cfg.unix and sys.platform == "linux" else ""
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
-                               redis_connected=lambda: index.connected, unix_address=unix)
+                               redis_connected=lambda: index.connected, unix_address=unix, cluster=cluster)
 
     def register(server) -> list[str]:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
@@ -80,6 +89,8 @@ async def main() -> None:
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
     reaper.cancel()
+    if cluster is not None:
+        cluster.close()
     try:
         await asyncio.wait_for(index.stop(), timeout=2.0)  # a last flush; Redis may be gone
     except TimeoutError:

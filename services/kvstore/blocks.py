@@ -9,7 +9,8 @@
 - a tier's eviction order holds exactly its committed, unpinned, non-tail blocks: first the
   copies their writers keep (oldest first), then the rest (least recently used first);
 - eviction from the device tier demotes to DRAM (dropping DRAM's first to evict when it is full,
-  or the block itself when DRAM has no room at all); eviction from DRAM drops;
+  or the block itself when DRAM has no room at all); eviction from DRAM drops, handing the
+  block to the tier below (`below`: the cluster) first when there is one;
 - a DRAM hit is promoted to the device tier when its last reader lets go;
 - a slot whose writer may still land bytes in it (its write lease ended uncommitted) is fenced:
   quarantined until `fence_s` has passed, then free (docs/architecture.md says why);
@@ -20,8 +21,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.errors import ResourceExhausted
 from pdserve.kv.checksum import checksum_of
@@ -85,13 +88,15 @@ class BlockManager:
     committed blocks go; counts in `counters`."""
 
     def __init__(self, device: TierMemory, dram: TierMemory, index: IndexSink, counters: Counters,
-                 fence_s: float, clock: Callable[[], float]):
+                 fence_s: float, clock: Callable[[], float],
+                 below: Callable[[bytes, int, torch.Tensor], None] | None = None):
         self.tiers = {DEVICE: device, DRAM: dram}
         self.block_nbytes = device.block_nbytes
         self.index = index
         self.counters = counters
         self.fence_s = fence_s
         self.clock = clock
+        self.below = below  # (key, checksum, bytes) of each committed block evicted from the last tier
         self._blocks: dict[bytes, Block] = {}
         self._tails: dict[bytes, Block] = {}
         self._orders = {DEVICE: _Order(), DRAM: _Order()}
@@ -158,7 +163,7 @@ class BlockManager:
         """The device tier's first to evict goes to DRAM (or is dropped when DRAM has no room)."""
         self.counters.evictions[DEVICE] += 1
         if self.room(DRAM) == 0:
-            self._drop(self._orders[DEVICE].pop_first())
+            self._leave(self._orders[DEVICE].pop_first())
             return
         if self.tiers[DRAM].allocator.num_free == 0:
             self._drop_first(DRAM)
@@ -168,7 +173,13 @@ class BlockManager:
 
     def _drop_first(self, tier: str) -> None:
         self.counters.evictions[tier] += 1
-        self._drop(self._orders[tier].pop_first())
+        self._leave(self._orders[tier].pop_first())
+
+    def _leave(self, b: Block) -> None:
+        """An evicted block out of the last local tier: to the tier below, if any, then dropped."""
+        if self.below is not None:
+            self.below(b.key, b.checksum, self.view(b))
+        self._drop(b)
 
     def _move(self, b: Block, tier: str, slot: int) -> None:
         """Copy an unpinned committed block (out of its order) to a free slot of `tier`, and
@@ -238,6 +249,21 @@ class BlockManager:
                 continue
             self.index.committed([b.key], [b.tier])
             self.unpin([b])
+
+    def adopt(self, keys: Sequence[bytes], checksums: Sequence[int], data: Sequence[torch.Tensor]) -> int:
+        """Verified blocks from the tier below, in order: into local slots (as far as room goes),
+        committed, the store's own. A key already here ends the run. Returns how many."""
+        n = 0
+        while n < len(keys) and self._blocks.get(keys[n]) is None:
+            n += 1
+        n = min(n, self.room(DEVICE) + self.room(DRAM))
+        if not n:
+            return 0
+        new = self.allocate(list(keys[:n]), writer_copy=False, tail_key=None)
+        for b, src in zip(new, data, strict=False):
+            self.view(b).copy_(src)
+        self.commit(new, checksums[:n])
+        return n
 
     def keep(self, blocks: Iterable[Block]) -> None:
         """Committed blocks a put found here: the store's own now (no longer copies their

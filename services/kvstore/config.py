@@ -36,6 +36,13 @@ class KVStoreConfig:
     key_prefix: str = field("pdserve", "prefix of every Redis key")
     te_host: str = field("127.0.0.1", "address the transfer engine listens on")
     te_protocol: str = field("tcp", "transfer engine protocol: tcp or rdma")
+    cluster_store: str = field("", "a cluster tier below DRAM shared by every store node: '' (none) or 'mooncake'")
+    cluster_master: str = field("127.0.0.1:50051", "mooncake_master's host:port (with --cluster-store mooncake)")
+    cluster_metadata: str = field("P2PHANDSHAKE", "the cluster's metadata server: P2PHANDSHAKE or a URL")
+    cluster_protocol: str = field("tcp", "the cluster's transfer protocol: tcp or rdma")
+    cluster_segment_bytes: int = field(0, "memory this node gives the cluster (0: it only uses the cluster)")
+    cluster_buffer_bytes: int = field(64 * MIB, "staging buffer for blocks moving to and from the cluster")
+    cluster_timeout_ms: int = field(2000, "longest a get waits on a cluster fetch before it answers a miss")
     grace_s: float = field(5.0, "drain period on SIGTERM")
     cpus: str = field("", "CPU ids the store runs on, taskset-style, e.g. '0' or '0-3' (default: all)")
 
@@ -52,4 +59,12 @@ class KVStoreConfig:
             raise ValueError("max_leases_per_client must be positive")
         if self.fence_ms < 0:
             raise ValueError("fence_ms must not be negative")
+        if self.cluster_store not in ("", "mooncake"):
+            raise ValueError(f"cluster_store must be '' or 'mooncake', got {self.cluster_store!r}")
+        if self.cluster_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"cluster_protocol must be tcp or rdma, got {self.cluster_protocol!r}")
+        if self.cluster_segment_bytes and self.cluster_segment_bytes < 16 * MIB:
+            raise ValueError("cluster_segment_bytes must be 0 (use the cluster only) or at least 16 MiB")
+        if self.cluster_timeout_ms <= 0:
+            raise ValueError("cluster_timeout_ms must be positive")
         parse_cpus(self.cpus)

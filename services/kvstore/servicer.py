@@ -13,6 +13,7 @@ from pdserve.rpc.convert import hashes_from_pb, profile_to_pb, require_profile
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 from services.kvstore.blocks import Block
+from services.kvstore.cluster import ClusterTier
 from services.kvstore.store import DEVICE, DRAM, BlockStore, Slot, SlotState
 
 log = logs.get("kvstore")
@@ -42,7 +43,8 @@ def client_id(context) -> str:
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
-                 max_blocks: int, redis_connected=lambda: False, unix_address: str = ""):
+                 max_blocks: int, redis_connected=lambda: False, unix_address: str = "",
+                 cluster: ClusterTier | None = None):
         self.store = store
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
@@ -51,6 +53,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.max_blocks = max_blocks
         self.redis_connected = redis_connected
         self.unix_address = unix_address
+        self.cluster = cluster
 
     def _hashes(self, profile, raw: bytes, request_id: str = "") -> list[bytes]:
         logs.bind_request_id(request_id)
@@ -95,13 +98,33 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Get(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
-        lease, blocks, tail = self.store.get(client_id(context), hashes, _tail(request.tail_key), request.lease_ms,
+        owner = client_id(context)
+        if self.cluster is not None:
+            await self._from_cluster(hashes)
+        lease, blocks, tail = self.store.get(owner, hashes, _tail(request.tail_key), request.lease_ms,
                                              request.request_id)
         if lease is None:
             return pb.GetResponse()
         return pb.GetResponse(lease_id=lease.lease_id, slots=self._read_list(blocks),
                               tail=self._slot(tail) if tail is not None else None,
                               lease_deadline_unix_ms=_unix_ms(lease.deadline))
+
+    async def _from_cluster(self, hashes: list[bytes]) -> None:
+        """Where the local run of `hashes` ends, fetch what follows from the cluster, in rounds of
+        what the staging buffer holds, into local slots."""
+        start = self.store.committed_run(hashes)
+        while start < len(hashes):
+            run = await self.cluster.fetch(hashes[start:])
+            if not run:
+                return
+            try:
+                placed = self.store.adopt(hashes[:start], [f.key for f in run], [f.checksum for f in run],
+                                          [f.view for f in run])
+            finally:
+                self.cluster.done_with(run)
+            if placed < len(run):
+                return
+            start = self.store.committed_run(hashes)
 
     async def RenewLease(self, request, context):
         deadline = self.store.renew(client_id(context), request.lease_id, request.lease_ms)
@@ -222,4 +245,5 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             tiers=tiers, hits=c.hits, misses=c.misses, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
             active_leases=len(self.store.leases), watchers=self.store.num_waiting(),
             redis_connected=self.redis_connected(), corrupt_blocks=c.corrupt,
-            fenced_blocks=self.store.blocks.num_fenced())
+            fenced_blocks=self.store.blocks.num_fenced(),
+            cluster=pb.ClusterStats(**self.cluster.counters.as_dict()) if self.cluster is not None else None)

@@ -44,9 +44,9 @@ class BlockStore:
 
     def __init__(self, device: TierMemory, dram: TierMemory, default_lease_s: float = 10.0,
                  index: IndexSink | None = None, clock=time.monotonic, fence_s: float = 30.0,
-                 max_lease_s: float = 300.0, max_leases_per_client: int = 4096):
+                 max_lease_s: float = 300.0, max_leases_per_client: int = 4096, below=None):
         self.counters = Counters()
-        self.blocks = BlockManager(device, dram, index or NullIndexSink(), self.counters, fence_s, clock)
+        self.blocks = BlockManager(device, dram, index or NullIndexSink(), self.counters, fence_s, clock, below)
         self.tiers = self.blocks.tiers
         self.block_nbytes = device.block_nbytes
         self.clock = clock
@@ -154,6 +154,28 @@ class BlockStore:
         lease = self.leases.open(ReadLease, owner, lease_ms, request_id)
         self._pin_for(lease, prefix + ([tail] if tail is not None else []))
         return lease, prefix, tail
+
+    def committed_run(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, are committed here (a look, no pins, no counts)."""
+        n = 0
+        for h in hashes:
+            b = self.blocks.get(h)
+            if b is None or not b.committed:
+                break
+            n += 1
+        return n
+
+    def adopt(self, before: Sequence[bytes], keys: Sequence[bytes], checksums: Sequence[int], data) -> int:
+        """Blocks fetched from the tier below that continue the local run `before`: placed and
+        committed without evicting `before`'s blocks. Returns how many were placed."""
+        held = [b for h in before if (b := self.blocks.get(h)) is not None and b.committed]
+        self.blocks.pin(held)
+        try:
+            placed = self.blocks.adopt(keys, checksums, data)
+        finally:
+            self.blocks.unpin(held)
+        self._notify([self.blocks.get(k) for k in keys[:placed]])
+        return placed
 
     def _count_lookup(self, hits: int, misses: int) -> None:
         self.counters.hits += hits

@@ -1,0 +1,274 @@
+"""The cluster tier below DRAM: a Mooncake Store shared by every store node.
+
+Blocks leaving this node's DRAM tier are copied into a registered staging buffer and written to
+the cluster (`batch_put_from`) by a thread of their own; a get whose hash chain runs past the
+local tiers fetches the rest (`batch_get_into`, into the same staging buffer) and the store
+imports what verifies into local slots. Each object is the block's bytes followed by the
+writer's checksum (8 bytes, little-endian), so a block fetched from any node is verified
+against the checksum its first writer computed. Keys are `pdserve/<profile root>/<block hash>`:
+two models or KV layouts never share one.
+
+Nothing here waits on the cluster on the event loop's behalf: a spill with no staging room is
+dropped (counted), a fetch is bounded by `timeout_s` and answers a miss, and a master that is
+down or not up yet is a miss for every fetch until the client reaches it again: after a get the
+master failed to answer, or one still running past its timeout, gets skip the cluster (a miss,
+at once) rather than queue behind it.
+
+Owns the Mooncake client, the staging buffer and its free list, the two threads that call the
+client (its calls block) and the cluster counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import queue
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve import logs
+from pdserve.kv.checksum import checksum_at
+
+log = logs.get("kvstore.cluster")
+
+TRAILER = 8  # the checksum after each object's block bytes
+RPC_FAIL = -900  # Mooncake's code for a master that did not answer
+RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
+
+
+def object_key(profile_root: bytes, block_hash: bytes) -> str:
+    """A block's key in the cluster: the hash profile's root (model and KV layout), then the hash."""
+    return f"pdserve/{profile_root.hex()[:16]}/{block_hash.hex()}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    master: str  # host:port of mooncake_master
+    local_host: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    segment_bytes: int = 0  # memory this node gives the cluster (0: it only uses it)
+    buffer_bytes: int = 64 << 20  # the staging buffer, shared by spills and fetches
+    timeout_s: float = 2.0  # longest a get waits on a cluster fetch
+
+
+@dataclass
+class ClusterCounters:
+    """Each count has one writer: `spill_dropped`, `fetch_timeouts` and `unreachable` the event
+    loop, `spilled` and `put_failures` the put thread, the fetch figures the get thread.
+    `connected`: set up, and the master answered the last call."""
+
+    connected: bool = False
+    spilled: int = 0  # blocks written to the cluster
+    put_failures: int = 0  # writes the cluster refused (full, no handle, master down)
+    spill_dropped: int = 0  # blocks not written: no staging room, or not connected
+    fetched: int = 0  # blocks fetched and verified
+    fetch_misses: int = 0  # blocks asked for and not there (or not reachable)
+    fetch_timeouts: int = 0
+    corrupt: int = 0  # fetched blocks failing their checksum: removed from the cluster
+    unreachable: int = 0  # gets that found the cluster not connected (not asked)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One verified block in the staging buffer, until `ClusterTier.done_with` returns it."""
+
+    key: bytes
+    checksum: int
+    view: torch.Tensor
+    slot: int
+
+
+class ClusterTier:
+    def __init__(self, cfg: ClusterConfig, profile_root: bytes, block_nbytes: int, client=None):
+        self.cfg = cfg
+        self.block_nbytes = block_nbytes
+        self.stride = block_nbytes + TRAILER
+        self.profile_root = profile_root
+        self.counters = ClusterCounters()
+        n = cfg.buffer_bytes // self.stride
+        if n < 2:
+            raise ValueError(f"--cluster-buffer-bytes {cfg.buffer_bytes} holds fewer than 2 blocks of "
+                             f"{block_nbytes} bytes")
+        self.staging = torch.zeros(n * self.stride, dtype=torch.uint8)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(n):
+            self._free.put(i)
+        self.num_slots = n
+        self._client = client  # set once connected
+        self._writes: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="cluster-get")
+        self._closed = threading.Event()
+        self._stuck = None  # a get that ran past its timeout and has not returned: gets skip the cluster
+        self._skip_until = 0.0  # (monotonic) the master failed a get: gets skip the cluster until then
+        threading.Thread(target=self._write_loop, name="cluster-put", daemon=True).start()
+        if client is None:
+            threading.Thread(target=self._connect_loop, name="cluster-connect", daemon=True).start()
+        else:
+            self._ready(client)
+
+    def key(self, block_hash: bytes) -> str:
+        return object_key(self.profile_root, block_hash)
+
+    def _address(self, slot: int) -> int:
+        return self.staging.data_ptr() + slot * self.stride
+
+    def _view(self, slot: int) -> torch.Tensor:
+        return self.staging[slot * self.stride : slot * self.stride + self.block_nbytes]
+
+    # -- connecting ------------------------------------------------------------------------
+    def _connect_loop(self) -> None:
+        """Set the client up, retrying until the master answers (setup itself waits a while)."""
+        from mooncake.store import MooncakeDistributedStore
+
+        while not self._closed.is_set():
+            client = MooncakeDistributedStore()
+            rc = client.setup(self.cfg.local_host, self.cfg.metadata_server, self.cfg.segment_bytes,
+                              16 << 20, self.cfg.protocol, "", self.cfg.master)
+            if rc == 0:
+                self._ready(client)
+                return
+            log.warning("cluster client setup failed (master unreachable, or see its log above); local tiers "
+                        "serve alone meanwhile, retrying", master=self.cfg.master, rc=rc)
+            self._closed.wait(1.0)
+
+    def _ready(self, client) -> None:
+        rc = client.register_buffer(self.staging.data_ptr(), self.staging.numel())
+        if rc != 0:
+            raise RuntimeError(f"cluster: registering the staging buffer failed ({rc})")
+        self._client = client
+        self.counters.connected = True
+        log.info("cluster tier connected", master=self.cfg.master, staging_blocks=self.num_slots,
+                 segment_bytes=self.cfg.segment_bytes)
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._writes.put(None)
+        self._reads.shutdown(wait=False, cancel_futures=True)
+
+    # -- writing ---------------------------------------------------------------------------
+    def spill(self, block_hash: bytes, checksum: int, view: torch.Tensor) -> None:
+        """A committed block leaving DRAM: staged and queued for the cluster, or dropped (counted)
+        when not connected or the staging buffer is full. Never waits."""
+        if self._client is None:
+            self.counters.spill_dropped += 1
+            return
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            self.counters.spill_dropped += 1
+            return
+        self._view(slot).copy_(view)
+        struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(self._address(slot) + self.block_nbytes), 0,
+                         checksum)
+        self._writes.put((self.key(block_hash), slot))
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._writes.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < 64:
+                try:
+                    item = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._writes.put(None)
+                    break
+                batch.append(item)
+            keys, slots = [k for k, _ in batch], [s for _, s in batch]
+            try:
+                codes = self._client.batch_put_from(keys, [self._address(s) for s in slots], [self.stride] * len(slots))
+            except Exception:  # noqa: BLE001 - a failed write is a dropped block, never a stuck thread
+                log.exception("cluster put failed")
+                codes = [-1] * len(keys)
+            finally:
+                for s in slots:
+                    self._free.put(s)
+            self.counters.connected = RPC_FAIL not in codes
+            ok = sum(c == 0 for c in codes)
+            self.counters.spilled += ok
+            self.counters.put_failures += len(codes) - ok
+
+    # -- reading ---------------------------------------------------------------------------
+    async def fetch(self, hashes: Sequence[bytes]) -> list[Fetched]:
+        """The leading run of `hashes` the cluster holds and that verifies, staged here until
+        `done_with`. At most the staging buffer's worth (a quarter of it: spills keep room)."""
+        if not hashes:
+            return []
+        if self._client is None or (self._stuck is not None and not self._stuck.done()) or (
+                time.monotonic() < self._skip_until):
+            self.counters.unreachable += 1
+            return []
+        slots = []
+        for _ in range(min(len(hashes), max(1, self.num_slots // 4))):
+            try:
+                slots.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        if not slots:
+            return []
+        job = self._reads.submit(self._get, list(hashes[: len(slots)]), slots)
+        try:
+            run = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), self.cfg.timeout_s)
+        except TimeoutError:
+            self.counters.fetch_timeouts += 1
+            self._stuck = job
+            job.add_done_callback(lambda _: self._give_back(slots))  # the thread may still write into them
+            return []
+        except BaseException:
+            job.add_done_callback(lambda _: self._give_back(slots))
+            raise
+        self._give_back(slots[len(run):])
+        return run
+
+    def _get(self, hashes: list[bytes], slots: list[int]) -> list[Fetched]:
+        """On the read thread: fetch, then verify each block against its trailer."""
+        keys = [self.key(h) for h in hashes]
+        try:
+            sizes = self._client.batch_get_into(keys, [self._address(s) for s in slots], [self.stride] * len(slots))
+        except Exception:  # noqa: BLE001
+            log.exception("cluster get failed")
+            sizes = [RPC_FAIL] * len(keys)
+        if sizes and sizes[0] == RPC_FAIL:
+            self._skip_until = time.monotonic() + RETRY_S
+        self.counters.connected = not sizes or sizes[0] != RPC_FAIL
+        out: list[Fetched] = []
+        for h, key, slot, size in zip(hashes, keys, slots, sizes, strict=True):
+            if size != self.stride:
+                self.counters.fetch_misses += len(hashes) - len(out)
+                break
+            address = self._address(slot)
+            (expected,) = struct.unpack("<Q", ctypes.string_at(address + self.block_nbytes, TRAILER))
+            if checksum_at(address, self.block_nbytes) != expected:
+                self.counters.corrupt += 1
+                self.counters.fetch_misses += len(hashes) - len(out) - 1
+                log.warning("a block fetched from the cluster failed its checksum: removed there", key=key)
+                self._client.remove(key, True)
+                break
+            out.append(Fetched(h, expected, self._view(slot), slot))
+        self.counters.fetched += len(out)
+        return out
+
+    def done_with(self, run: Sequence[Fetched]) -> None:
+        """The store has copied these out: their staging slots are free again."""
+        self._give_back([f.slot for f in run])
+
+    def _give_back(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._free.put(s)

@@ -1,0 +1,157 @@
+"""The cluster tier below DRAM: two store processes sharing one real mooncake_master.
+
+Blocks leaving one node's DRAM are written to the Mooncake Store cluster; a get on another node
+whose chain runs past its local tiers fetches them, verified against their first writer's
+checksum. A corrupt object is never served; a master that is down costs misses, never errors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+
+import pytest
+import torch
+
+from pdserve.kv.checksum import checksum_of
+from pdserve.kv.hashing import root_hash
+from pdserve.kvclient.store_client import StoreClient
+from pdserve.runtime.launch import MooncakeMaster
+from services.kvstore.cluster import TRAILER, object_key
+from tests.kv_peer import PROFILE, block_data, block_hash
+from tests.kvstore_support import BLOCK, LocalClient, start_store, wait_for
+
+SEGMENT = 16 << 20  # Mooncake's least
+
+
+def _store(redis_url, key_prefix, master: MooncakeMaster, segment: int = SEGMENT, blocks: int = 2):
+    return start_store(redis_url, key_prefix, device_blocks=blocks, dram_blocks=blocks,
+                       extra=("--cluster-store", "mooncake", "--cluster-master", master.address,
+                              "--cluster-segment-bytes", str(segment), "--cluster-buffer-bytes",
+                              str(16 * (BLOCK + TRAILER)), "--cluster-timeout-ms", "1000"))
+
+
+@pytest.fixture
+def master():
+    m = MooncakeMaster().start()
+    yield m
+    m.stop()
+
+
+def wait_for_value(fn, want, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while fn() != want:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _cluster(client: LocalClient):
+    return client.stats().cluster
+
+
+def _get(client: LocalClient, seed: int, indices: list[int]) -> tuple[int, list[bool]]:
+    """(blocks read, whether each read block's bytes are exactly the written ones)."""
+    hashes = [block_hash(seed, i) for i in indices]
+    got = client.call(StoreClient.get, hashes, [client.buf.addr(j) for j in range(len(indices))])
+    return got.num_blocks, [torch.equal(client.buf.block(j), block_data(seed, i))
+                            for j, i in enumerate(indices[: got.num_blocks])]
+
+
+def test_blocks_leaving_one_node_are_served_by_another_bit_exact(shared_redis_url, key_prefix, master):
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    b = _store(shared_redis_url, key_prefix + "b", master)
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        ca.put(1, [0, 1, 2, 3])
+        ca.put(1, [4, 5, 6, 7])  # 4 blocks of room: 0-3 leave A's DRAM for the cluster
+        wait_for(lambda: _cluster(ca).spilled == 4)
+        assert _cluster(ca).put_failures == 0 and _cluster(ca).spill_dropped == 0
+
+        assert _get(cb, 1, [0, 1, 2, 3]) == (4, [True] * 4)  # B never held them
+        c = _cluster(cb)
+        assert (c.fetched, c.corrupt) == (4, 0)
+        assert _get(cb, 1, [0, 1, 2, 3]) == (4, [True] * 4)  # now B's own: no second fetch
+        assert _cluster(cb).fetched == 4
+        stats = cb.stats()
+        assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+
+        # A chain that goes on past what the cluster holds: the run it holds, then a miss.
+        assert _get(cb, 1, [0, 1, 2, 3, 8, 9]) == (4, [True] * 4)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_corrupt_cluster_object_is_never_served_and_is_removed(shared_redis_url, key_prefix, master):
+    from mooncake.store import MooncakeDistributedStore
+
+    b = _store(shared_redis_url, key_prefix, master)
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", SEGMENT, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        cb = LocalClient(b.address)
+        wait_for(lambda: _cluster(cb).connected, 30)
+        # Block (2, 0) as a writer would store it, with one byte flipped after the checksum.
+        good = block_data(2, 0)
+        obj = torch.zeros(BLOCK + TRAILER, dtype=torch.uint8)
+        obj[:BLOCK] = good
+        struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(obj.data_ptr() + BLOCK), 0, checksum_of(good))
+        obj[100] ^= 1
+        assert raw.register_buffer(obj.data_ptr(), obj.numel()) == 0
+        key = object_key(root_hash(PROFILE), block_hash(2, 0))
+        assert raw.batch_put_from([key], [obj.data_ptr()], [obj.numel()]) == [0]
+
+        assert _get(cb, 2, [0, 1]) == (0, [])
+        c = _cluster(cb)
+        assert (c.fetched, c.corrupt) == (0, 1)
+        assert raw.batch_is_exist([key]) == [0]  # removed from the cluster: nobody fetches it again
+        stats = cb.stats()
+        assert stats.active_leases == 0 and stats.tier("device").used_blocks == 0
+    finally:
+        raw.close()
+        b.stop()
+
+
+def test_with_the_master_gone_the_local_tiers_serve_and_the_tier_comes_back(shared_redis_url, key_prefix,
+                                                                            master):
+    b = _store(shared_redis_url, key_prefix, master, segment=0)  # B only uses the cluster
+    a = _store(shared_redis_url, key_prefix + "a", master)  # A gives it memory
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        master.kill()
+        t0 = time.monotonic()
+        assert _get(cb, 3, [0, 1]) == (0, [])  # a miss, at once, not an error
+        assert time.monotonic() - t0 < 1.5
+        cb.put(3, [0, 1])
+        assert _get(cb, 3, [0, 1]) == (2, [True, True])  # local tiers unaffected
+        cb.put(3, [2, 3])
+        cb.put(3, [4, 5])  # 0, 1 leave DRAM: the write fails (counted), the put does not
+        wait_for(lambda: _cluster(cb).put_failures + _cluster(cb).spill_dropped >= 2, 30)
+        t0 = time.monotonic()
+        assert _get(cb, 3, [6, 7]) == (0, [])  # still a miss at once, however the writes fare
+        assert time.monotonic() - t0 < 1.5
+
+        # A restarted master is empty: nodes mount their segments again by themselves. Until
+        # they have, writes fail (counted) and the blocks are dropped: the tier is a cache.
+        restarted = MooncakeMaster(port=master.port).start()
+        try:
+            t_up = time.monotonic()
+            for seed in range(4, 60):
+                ca.put(seed, [0, 1, 2, 3])
+                ca.put(seed, [4, 5, 6, 7])  # 0-3 leave A: written, or dropped while A is not mounted
+                if wait_for_value(lambda s=seed: _get(cb, s, [0, 1, 2, 3]), (4, [True] * 4), 1.0):
+                    break
+            else:
+                pytest.fail("the cluster tier did not come back")
+            assert time.monotonic() - t_up < 15
+            assert _cluster(ca).spilled >= 4
+        finally:
+            restarted.stop()
+    finally:
+        a.stop()
+        b.stop()
