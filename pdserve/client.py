@@ -114,7 +114,7 @@ def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
         logprobs=[e.logprob for e in tokens], finish_reason=_FINISH.get(s.finish_reason),
         usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                "cached_tokens_local": u.cached_tokens_local, "cached_tokens_store": u.cached_tokens_store,
-               "computed_tokens": u.computed_tokens},
+               "computed_tokens": u.computed_tokens, "cached_tokens_cluster": u.cached_tokens_cluster},
         timings={"ttft_ms": t.ttft_ms, "total_ms": t.total_ms, "prefill_ms": t.prefill_ms,
                  "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "queue_ms": t.queue_ms,
                  "route_ms": t.route_ms},

@@ -7,6 +7,10 @@ it. Given a URL, the stack's keys live under a prefix unique to the run (unless 
 names one), and `up` deletes every key under that prefix once its processes have stopped, so a
 user's Redis keeps nothing of the run (`--keep-keys` to keep them).
 
+`--store-nodes N` runs N store nodes (node-0 ... node-N-1), the workers spread over them in turn;
+with `--cluster-store mooncake` it also starts a mooncake_master (from the transfer-engine wheel)
+and every node puts the blocks leaving its DRAM into that shared cluster tier and fetches from it.
+
 It makes the stack's credentials (a service token, one client API key) and prints the key as
 `PDSERVE_API_KEY=<key>`, a line to paste into a shell for the SDK and the CLI."""
 
@@ -24,7 +28,7 @@ import uuid
 from pdserve.cluster import REDIS_DOWN
 from pdserve.cluster.cleanup import delete_prefix
 from pdserve.runtime import auth
-from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
+from pdserve.runtime.launch import MooncakeMaster, RedisServer, ServiceProcess, redis_reachable
 
 
 class Stack:
@@ -33,6 +37,7 @@ class Stack:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.redis: RedisServer | None = None
+        self.master: MooncakeMaster | None = None
         self.procs: list[ServiceProcess] = []
         self.router: ServiceProcess | None = None
         self.redis_url = ""  # set once the stack's Redis is known
@@ -42,6 +47,9 @@ class Stack:
 
     def start(self) -> str:
         a = self.args
+        if not 1 <= a.store_nodes <= min(a.prefill, a.decode):
+            raise ValueError(f"--store-nodes {a.store_nodes}: each store node needs a prefill and a decode worker of "
+                             f"its own (have {a.prefill} prefill, {a.decode} decode)")
         os.makedirs(self.log_dir, exist_ok=True)
         say(f"logs in {self.log_dir} (kept after stop)")
         if a.redis_url:
@@ -58,12 +66,26 @@ class Stack:
         os.environ.update({**auth.stack_secrets(), "PDSERVE_REDIS_URL": self.redis_url})
         common = ["--key-prefix", self.key_prefix]
         model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
-        store = self._add(ServiceProcess("services.kvstore", *model, *common,
-                                         "--device-bytes", str(a.store_device_mib << 20),
-                                         "--dram-bytes", str(a.store_dram_mib << 20), log_dir=self.log_dir))
-        store.start()
-        say(f"kvstore  {store.address}")
-        workers = [self._add(ServiceProcess(f"services.{role}", *model, *common, "--store", store.address,
+        cluster: list[str] = []
+        if a.cluster_store:
+            self.master = MooncakeMaster(log_path=os.path.join(self.log_dir, "mooncake_master.log")).start()
+            say(f"mooncake_master {self.master.address}")
+            cluster = ["--cluster-store", a.cluster_store, "--cluster-master", self.master.address,
+                       "--cluster-segment-bytes", str(a.cluster_segment_mib << 20)]
+        stores = [self._add(ServiceProcess(
+            "services.kvstore", *model, *common, "--device-bytes", str(a.store_device_mib << 20),
+            "--dram-bytes", str(a.store_dram_mib << 20), *cluster,
+            *(("--node", f"node-{n}") if a.store_nodes > 1 else ()),
+            name=f"kvstore-{n}" if a.store_nodes > 1 else "kvstore", log_dir=self.log_dir))
+            for n in range(a.store_nodes)]
+        for s in stores:
+            s.spawn()
+        for s in stores:
+            s.wait_ready()
+            say(f"{s.name:<10}{s.address}")
+        store = stores[0]
+        workers = [self._add(ServiceProcess(f"services.{role}", *model, *common,
+                                            "--store", stores[i % len(stores)].address,
                                             "--num-blocks", str(a.num_blocks), "--threads", str(a.threads),
                                             name=f"{role}-{i}", log_dir=self.log_dir))
                    for role, n in (("prefill", a.prefill), ("decode", a.decode)) for i in range(n)]
@@ -104,6 +126,8 @@ class Stack:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+        if self.master:
+            self.master.stop()
         if self.redis:
             self.redis.stop()
         elif self.redis_url and not self.args.keep_keys:
@@ -191,6 +215,12 @@ def add_parser(sub) -> None:
     p.add_argument("--keep-keys", action="store_true", help="leave the run's keys in --redis-url on exit")
     p.add_argument("--store-device-mib", type=int, default=256)
     p.add_argument("--store-dram-mib", type=int, default=1024)
+    p.add_argument("--store-nodes", type=int, default=1, help="store nodes; workers are spread over them in turn "
+                                                               "(a prefill hands off to a decode of its own node)")
+    p.add_argument("--cluster-store", default="", choices=["", "mooncake"],
+                   help="mooncake: start a mooncake_master and give every store node the cluster tier below DRAM")
+    p.add_argument("--cluster-segment-mib", type=int, default=256,
+                   help="memory each store node gives the cluster tier (with --cluster-store)")
     p.add_argument("--demo-prompt", default="", help="send this request once the stack is up, streaming it")
     p.add_argument("--demo-max-tokens", type=int, default=48)
     p.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo request")

@@ -11,6 +11,7 @@ from functools import cache
 
 import redis
 
+from pdserve.cluster.keys import RedisKeys
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.kvclient.transfer import Transfer
 from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffers, block_data, block_hash
@@ -93,7 +94,7 @@ def tiers_in_redis(redis_url: str, key_prefix: str, seed: int, indices: list[int
     r = redis.Redis.from_url(redis_url)
     deadline = time.time() + timeout_s
     while True:
-        raw = r.hgetall(f"{key_prefix}:index:store")
+        raw = r.hgetall(RedisKeys(key_prefix).store_index())
         got = {i: (raw.get(block_hash(seed, i).hex().encode()) or b"").decode() or None for i in indices}
         if expect is None or got == expect or time.time() > deadline:
             return got

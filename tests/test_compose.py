@@ -38,6 +38,18 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
     router = resolved["services"]["router"]
     assert router["environment"]["PDSERVE_HTTP_PORT"] == "8000" and "8000" in str(router["ports"])
     assert all(resolved["services"][n]["build"]["args"]["TORCH"] == "cpu" for n in ("router", "secrets"))
+    # The "cluster" profile: a master and a second node (store, prefill, decode), its workers at it.
+    out = subprocess.run([exe, "-f", str(ROOT / "compose.yaml"), "--profile", "cluster", "config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cluster = yaml.safe_load(out.stdout)["services"]
+    assert set(cluster) == SERVICES | {"mooncake-master", "kvstore-b", "prefill-b", "decode-b"}
+    assert cluster["mooncake-master"]["command"][0] == "mooncake_master"
+    node_b = cluster["kvstore-b"]["environment"]
+    assert (node_b["PDSERVE_NODE"], node_b["PDSERVE_CLUSTER_STORE"], node_b["PDSERVE_CLUSTER_MASTER"]) == (
+        "b", "mooncake", "172.28.0.20:50051")
+    assert cluster["kvstore"]["environment"]["PDSERVE_CLUSTER_MASTER"] == node_b["PDSERVE_CLUSTER_MASTER"]
+    assert {cluster[n]["environment"]["PDSERVE_STORE"] for n in ("prefill-b", "decode-b")} == {"172.28.0.21:50051"}
     # A broken file is caught: the check can fail.
     broken = tmp_path / "compose.yaml"
     broken.write_text((ROOT / "compose.yaml").read_text().replace("condition: service_healthy",

@@ -181,11 +181,79 @@ def test_leading_runs_on_plain_sets():
     """Unit check of the look-up over in-memory sets (no Redis): worker runs stop at the first
     miss of a prefix-closed cache; the store's run after a worker's run is scanned from there."""
     chain = _chain(5, 10)
-    hits = leading_runs(chain, {"x": set(chain[:4]), "y": set(), "z": set(chain)}, set(chain[:2] + chain[4:7]))
+    hits = leading_runs(chain, {"x": set(chain[:4]), "y": set(), "z": set(chain)},
+                        {"local": set(chain[:2] + chain[4:7])})
     assert hits.worker_blocks == {"x": 4, "y": 0, "z": 10}
     assert hits.store_blocks == 2
     assert hits.store_after == {"x": 3, "y": 2, "z": 0}
-    assert leading_runs([], {"x": set(chain)}, set(chain)).worker_blocks == {"x": 0}
+    assert leading_runs([], {"x": set(chain)}, {"local": set(chain)}).worker_blocks == {"x": 0}
+
+    # Two nodes and the cluster: each worker continues in its own node's store, then the cluster.
+    hits = leading_runs(chain, {"x": set(chain[:4]), "y": set(chain[:1])},
+                        {"A": set(chain[4:6]), "B": set(chain[:3])}, {"x": "A", "y": "B"}, set(chain[6:9]))
+    assert (hits.node_blocks, hits.store_blocks) == ({"A": 0, "B": 3}, 3)
+    assert hits.store_after == {"x": 2, "y": 2}
+    assert hits.cluster_after == {"x": 3, "y": 0}
+    assert [hits.store_tokens_for(w, 16) for w in "xy"] == [6 * 16, 3 * 16]
+    assert [hits.cluster_tokens_for(w, 16) for w in "xy"] == [3 * 16, 0]
+
+
+def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(shared_redis_url, key_prefix):
+    """Two store nodes' RedisIndex writers (each its own key) and their cluster-index changes
+    (one shared SET, written from the cluster tier's threads): the mirror holds exactly what Redis
+    holds, and answers every chain as the Lua look-up does."""
+    keys = RedisKeys(key_prefix)
+    chain = _chain(3, 40)
+
+    async def scenario():
+        a_held = [(h, "dram") for h in chain[8:16]]
+        b_held = [(h, "device") for h in chain[:4]]
+        node_a = RedisIndex(shared_redis_url, keys, lambda: list(a_held), node="A")
+        node_b = RedisIndex(shared_redis_url, keys, lambda: list(b_held), node="B")
+        w = _registration(shared_redis_url, keys, "w", list(chain[:8]))
+        lua_client = aioredis.Redis.from_url(shared_redis_url)
+        lua = PrefixIndex(lua_client, keys)
+        mirror = await _mirror(shared_redis_url, keys)
+        nodes = {"w": "A", "v": "B"}
+        try:
+            await w.beat()
+            node_a.cluster_stored(chain[16:30])
+            node_b.cluster_stored(chain[4:10])
+            await node_a.flush()
+            await node_b.flush()
+            node_a.cluster_missing([chain[25]])  # a read missed: the hint goes
+            await node_a.flush()
+            assert {bytes.fromhex(m.decode()) for m in await lua_client.smembers(keys.cluster_index())} == set(
+                chain[4:10] + chain[16:25] + chain[26:30])
+            assert await lua_client.ttl(keys.cluster_index()) > 0
+            await mirror.poll(0)
+            assert mirror.store_hashes("A") == frozenset(chain[8:16])
+            assert mirror.store_hashes("B") == frozenset(chain[:4])
+            assert mirror.cluster_hashes() == frozenset(chain[4:10] + chain[16:25] + chain[26:30])
+            want = await lua.lookup(chain, ["w", "v"], nodes)
+            # w: its own 8, node A's 8 after them, the cluster's 9 after those; v: node B's 4, the cluster's 6.
+            assert (want.worker_blocks, want.node_blocks, want.store_after, want.cluster_after) == (
+                {"w": 8, "v": 0}, {"A": 0, "B": 4}, {"w": 8, "v": 4}, {"w": 9, "v": 6})
+            rng = random.Random(11)
+            for c in [chain, chain[4:], chain[16:], [], *(rng.sample(chain, rng.randint(1, 40)) for _ in range(20))]:
+                want = await lua.lookup(c, ["w", "v"], nodes)
+                got = mirror.lookup(c, ["w", "v"], nodes)
+                assert (got.worker_blocks, got.node_blocks, got.store_after, got.cluster_after) == (
+                    want.worker_blocks, want.node_blocks, want.store_after, want.cluster_after), c
+            late = await _mirror(shared_redis_url, keys)
+            assert late.cluster_hashes() == mirror.cluster_hashes()
+            assert late.store_hashes("A") == mirror.store_hashes("A")
+            await late.stop()
+        finally:
+            await mirror.stop()
+            await w.stop()
+            await lua_client.delete(keys.store_index("A"), keys.store_index("B"), keys.cluster_index(),
+                                    keys.index_events())
+            for n in (node_a, node_b):
+                await n.redis.aclose()
+            await lua_client.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_redis_url, key_prefix):

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import redis
 
+from pdserve.cluster.keys import RedisKeys
 from pdserve.kv.checksum import checksum_at
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import kvstore_pb2 as pb
@@ -306,6 +307,6 @@ def test_redis_down_store_serves_and_index_is_rebuilt(private_redis, key_prefix)
         assert tiers_in_redis(private_redis.url, key_prefix, 40, list(range(4)), timeout_s=10, expect=want) == want
         assert c.stats().redis_connected
         r = redis.Redis.from_url(private_redis.url)
-        assert 0 < r.ttl(f"{key_prefix}:index:store") <= 600
+        assert 0 < r.ttl(RedisKeys(key_prefix).store_index()) <= 600
     finally:
         store.stop()

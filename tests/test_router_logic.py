@@ -67,6 +67,12 @@ def test_ttft_estimate_and_choices():
                                                                                                      "p1"]
     # A full prompt hit still computes one token: the estimate never reaches zero compute.
     assert estimate_ttft_ms(idle_cached, 800, 0, coef)[1] == 799
+    # The cluster's blocks after its store's are priced at their own rate, and count as fetched.
+    clustered = replace(idle_cached, store_hit_tokens=900, cluster_hit_tokens=64)
+    est, local, fetched = estimate_ttft_ms(clustered, 1000, 0, coef)
+    assert (round(est, 6), local, fetched) == (round(5 + 36 * 0.1 + 100 * 0.01 + 64 * 0.03, 6), 800, 164)
+    # ... and never past the prompt's last token.
+    assert estimate_ttft_ms(replace(clustered, cluster_hit_tokens=4096), 1000, 0, coef)[2] == 199
     # A long queue outweighs a cache hit; the choice says what it gave up.
     busy_cached = PrefillCandidate("p2", queued_tokens=5000, local_hit_tokens=900, inflight=2)
     idle_cold = PrefillCandidate("p3", queued_tokens=0, local_hit_tokens=0, inflight=0)
@@ -107,21 +113,24 @@ def test_a_queue_of_short_cached_prompts_is_priced_by_its_requests_too():
 
 def test_the_cost_coefficients_are_fitted_to_the_times_to_first_token_workers_report():
     """Fitted to what the estimate predicts: each prefill's time to its first token against the
-    queue it joined (requests, tokens) and what it fetched; first at 32 samples, then every 16."""
-    coef = Coefficients(prefill_ms_per_token=1.0, fetch_ms_per_token=1.0, request_ms=1.0)
-    shapes = itertools.cycle([(1, 16, 0), (3, 500, 256), (2, 1000, 0), (1, 64, 1024), (5, 2000, 512), (1, 300, 64)])
+    queue it joined (requests, tokens) and what it fetched from its store and from the cluster;
+    first at 32 samples, then every 16."""
+    coef = Coefficients(prefill_ms_per_token=1.0, fetch_ms_per_token=1.0, request_ms=1.0, cluster_ms_per_token=1.0)
+    shapes = itertools.cycle([(1, 16, 0, 0), (3, 500, 256, 32), (2, 1000, 0, 512), (1, 64, 1024, 0),
+                              (5, 2000, 512, 128), (1, 300, 64, 16), (2, 50, 0, 256)])
     samples = [PrefillCost(*shape) for shape in itertools.islice(shapes, 32)]
-    truth = Coefficients(prefill_ms_per_token=0.08, fetch_ms_per_token=0.02, request_ms=12.0)
+    truth = Coefficients(prefill_ms_per_token=0.08, fetch_ms_per_token=0.02, request_ms=12.0,
+                         cluster_ms_per_token=0.05)
     for cost in samples[:31]:
         coef.observe(cost, truth.ms(cost))
     assert (coef.samples, coef.request_ms) == (31, 1.0)
     coef.observe(samples[31], truth.ms(samples[31]))
-    assert [round(getattr(coef, n), 6) for n in Coefficients.NAMES] == [12.0, 0.08, 0.02]
+    assert [round(getattr(coef, n), 6) for n in Coefficients.NAMES] == [12.0, 0.08, 0.02, 0.05]
     # No store hits in the window: the fetch coefficient cannot be told, and keeps its value.
     nofetch = Coefficients(fetch_ms_per_token=0.5)
     for i in range(32):
         nofetch.observe(PrefillCost(1 + i % 3, 10 * i + 1, 0), 4.0 * (1 + i % 3) + 0.1 * (10 * i + 1))
-    assert [round(getattr(nofetch, n), 6) for n in Coefficients.NAMES] == [4.0, 0.1, 0.5]
+    assert [round(getattr(nofetch, n), 6) for n in Coefficients.NAMES] == [4.0, 0.1, 0.5, 0.03]
 
 
 def test_a_request_without_a_client_deadline_gets_one_sized_to_its_work():
@@ -225,3 +234,46 @@ def test_over_the_ttft_slo_is_refused_at_once_even_when_it_would_queue_for_decod
         route(100.0, 100)  # 15 ms: under the SLO, so it waits for room
     with pytest.raises(NoRoom):
         route(0.0, 2000)
+
+
+def test_a_prefill_is_paired_with_a_decode_of_its_own_store_node():
+    """Unit check of Router.route over a fake pool (logic only): the handoff stays on one store
+    node, so the prefill chosen (here the one whose node's store holds the prompt) gets its own
+    node's decode, though the other node's decode has more room; a node without decode room
+    has its prefills left out."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.cluster.prefix_index import PrefixHits
+    from services.router.config import RouterConfig
+    from services.router.metrics import Metrics
+    from services.router.router import Router
+    from services.router.workers import WorkerView
+
+    def view(wid, role, node, free=0):
+        return WorkerView(wid, role, "unused", store_node=node, healthy=True,
+                          load={"queued_tokens": 0, "free_kv_blocks": free, "total_kv_blocks": 1000})
+
+    workers = [view("pa", "prefill", "A"), view("pb", "prefill", "B"),
+               view("da", "decode", "A", free=100), view("db", "decode", "B", free=900)]
+    pool = SimpleNamespace(workers={w.worker_id: w for w in workers}, redis_ok=True,
+                           usable=lambda role: [w for w in workers if w.role == role and w.free_blocks() >= 0])
+    asked = []
+
+    async def lookup(hashes, nodes):
+        asked.append(dict(nodes))
+        # Node A's store holds the whole prompt; B's nothing.
+        return PrefixHits({w: 0 for w in nodes}, 63, {w: 63 if n == "A" else 0 for w, n in nodes.items()},
+                          {"A": 63, "B": 0}, dict(nodes), {w: 0 for w in nodes})
+
+    router = SimpleNamespace(cfg=RouterConfig(), pool=pool, policy=Policy("cache_aware"),
+                             profile=SimpleNamespace(block_size=16), metrics=Metrics(), _lookup=lookup,
+                             recent=RecentRoutes(ttl_s=3.0), coef=Coefficients())
+    route = asyncio.run(Router.route(router, list(range(1024)), [], SamplingParams(max_tokens=8)))
+    assert (route.prefill.worker_id, route.decode.worker_id) == ("pa", "da")
+    assert asked == [{"pa": "A", "pb": "B"}]
+    # Node A's decode full: A's prefill is not a candidate, B's pair serves it.
+    workers[2].load["free_kv_blocks"] = 10
+    route = asyncio.run(Router.route(router, list(range(1024)), [], SamplingParams(max_tokens=8)))
+    assert (route.prefill.worker_id, route.decode.worker_id) == ("pb", "db")
+    assert asked[-1] == {"pb": "B"}

@@ -16,7 +16,8 @@ from redis.asyncio.client import Pipeline
 from pdserve.cluster.keys import INDEX_EVENTS_MAXLEN, INDEX_TTL_S, RedisKeys
 
 HASH_BYTES = 16  # block hashes are 16 bytes; events carry them packed, back to back
-STORE_OWNER = "store"
+STORE_OWNER = "store:"  # + node: a store node's own tiers
+CLUSTER_OWNER = "cluster:"  # + node: that node's changes to the (shared) cluster index
 WORKER_OWNER = "worker:"
 
 
@@ -24,9 +25,17 @@ def worker_owner(worker_id: str) -> str:
     return WORKER_OWNER + worker_id
 
 
+def store_owner(node: str) -> str:
+    return STORE_OWNER + node
+
+
+def cluster_owner(node: str) -> str:
+    return CLUSTER_OWNER + node
+
+
 @dataclass(frozen=True)
 class IndexEvent:
-    owner: str  # STORE_OWNER or worker_owner(id)
+    owner: str  # store_owner(node), cluster_owner(node) or worker_owner(id)
     seq: int  # per owner, +1 per event; restarts with the owner (whose first event is a reset)
     reset: bool  # the owner rewrote its key: re-read it whole
     added: tuple[bytes, ...] = ()

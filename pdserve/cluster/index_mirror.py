@@ -1,8 +1,8 @@
 """The router's in-memory mirror of the prefix index, fed by the index's change events.
 
-Redis holds the index (each prefill worker's set of cached hashes, the store's hash -> tier map)
-and a stream of change events that its writers append in the same transaction as each change
-(pdserve.cluster.index_events). The mirror snapshots the keys, then tails the stream from the
+Redis holds the index (each prefill worker's set of cached hashes, each store node's hash -> tier
+map, the cluster tier's set) and a stream of change events that its writers append in the same
+transaction as each change (pdserve.cluster.index_events). The mirror snapshots the keys, then tails the stream from the
 event before the snapshot: re-applying a change the snapshot already shows is harmless (each
 event adds or removes members), so the mirror ends exact. A reset event, or a gap in an owner's
 numbering, makes it re-read that owner's key; every `resync_s` it re-reads everything, which
@@ -27,7 +27,7 @@ import time
 import redis.asyncio as aioredis
 
 from pdserve import logs
-from pdserve.cluster.index_events import STORE_OWNER, WORKER_OWNER, IndexEvent
+from pdserve.cluster.index_events import CLUSTER_OWNER, STORE_OWNER, WORKER_OWNER, IndexEvent
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.prefix_index import PrefixHits
 from pdserve.runtime.tasks import bounded_close, cancel_and_wait
@@ -36,13 +36,17 @@ log = logs.get("router.mirror")
 
 
 def leading_runs(chain: list[bytes], workers: dict[str, set[bytes] | frozenset[bytes]],
-                 store: set[bytes]) -> PrefixHits:
+                 stores: dict[str, set[bytes] | frozenset[bytes]], worker_nodes: dict[str, str] | None = None,
+                 cluster: set[bytes] | frozenset[bytes] = frozenset()) -> PrefixHits:
     """What the router's Lua look-up computes, over in-memory sets: each worker's leading run of
-    the chain (a worker's cache is prefix-closed, so a binary search), the store's leading run,
-    and the store's run right after each worker's own."""
+    the chain (a worker's cache is prefix-closed, so a binary search), each store node's leading
+    run, the run of a worker's node's store right after the worker's own, and the cluster's run
+    right after what the worker can load from its node. `worker_nodes`: each worker's node
+    (default "local")."""
+    nodes_of = {w: (worker_nodes or {}).get(w, "local") for w in workers}
     n = len(chain)
     if n == 0:
-        return PrefixHits({w: 0 for w in workers}, 0)  # as PrefixIndex.lookup answers it
+        return PrefixHits({w: 0 for w in workers}, 0, worker_nodes=nodes_of)  # as PrefixIndex.lookup answers it
 
     def leading(held: set[bytes] | frozenset[bytes]) -> int:
         if chain[0] not in held:
@@ -56,28 +60,39 @@ def leading_runs(chain: list[bytes], workers: dict[str, set[bytes] | frozenset[b
                 hi = mid - 1
         return lo
 
-    def scan(start: int) -> int:
+    def scan(held: set[bytes] | frozenset[bytes], start: int) -> int:
         i = start
-        while i < n and chain[i] in store:
+        while i < n and chain[i] in held:
             i += 1
         return i - start
 
+    empty: frozenset[bytes] = frozenset()
     runs = {w: leading(held) for w, held in workers.items()}
-    lead = scan(0)
-    after: dict[int, int] = {}
-    store_after = {}
+    leads = {node: scan(stores.get(node, empty), 0) for node in sorted(set(nodes_of.values())) or ["local"]}
+    after: dict[tuple[str, int], int] = {}
+    beyond: dict[int, int] = {}
+    store_after, cluster_after = {}, {}
     for w, run in runs.items():
+        node = nodes_of[w]
+        lead = leads[node]
         if run < lead:
             store_after[w] = lead - run
         elif run == lead:
             store_after[w] = 0
         else:
-            store_after[w] = after.setdefault(run, scan(run))
-    return PrefixHits(runs, lead, store_after)
+            if (node, run) not in after:
+                after[node, run] = scan(stores.get(node, empty), run)
+            store_after[w] = after[node, run]
+        loaded = max(lead, run + store_after[w])
+        if loaded not in beyond:
+            beyond[loaded] = scan(cluster, loaded)
+        cluster_after[w] = beyond[loaded]
+    return PrefixHits(runs, max(leads.values()), store_after, leads, nodes_of, cluster_after)
 
 
 class IndexMirror:
-    """Owns the router's copy of the index: one set of hashes per prefill worker, one for the store."""
+    """Owns the router's copy of the index: one set of hashes per prefill worker, one per store
+    node, one for the cluster tier."""
 
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, block_ms: int = 250, resync_s: float = 60.0,
                  stale_s: float = 30.0):
@@ -90,7 +105,8 @@ class IndexMirror:
         self._lost_at: float | None = None  # when tailing stopped after a snapshot (None: never synced)
         self.reloads = 0  # owners re-read after a reset or a gap (tests read it)
         self._workers: dict[str, set[bytes]] = {}
-        self._store: set[bytes] = set()
+        self._stores: dict[str, set[bytes]] = {}  # store node -> its hashes
+        self._cluster: set[bytes] = set()
         self._seq: dict[str, int] = {}
         self._last_id: bytes = b"0-0"
         self._synced_at = 0.0
@@ -105,15 +121,20 @@ class IndexMirror:
             return True
         return self._lost_at is not None and time.monotonic() - self._lost_at < self.stale_s
 
-    def lookup(self, chain: list[bytes], worker_ids: list[str]) -> PrefixHits:
+    def lookup(self, chain: list[bytes], worker_ids: list[str],
+               worker_nodes: dict[str, str] | None = None) -> PrefixHits:
         empty: frozenset[bytes] = frozenset()
-        return leading_runs(chain, {w: self._workers.get(w, empty) for w in worker_ids}, self._store)
+        return leading_runs(chain, {w: self._workers.get(w, empty) for w in worker_ids}, self._stores,
+                            worker_nodes, self._cluster)
 
     def worker_hashes(self, worker_id: str) -> frozenset[bytes]:
         return frozenset(self._workers.get(worker_id, ()))
 
-    def store_hashes(self) -> frozenset[bytes]:
-        return frozenset(self._store)
+    def store_hashes(self, node: str = "local") -> frozenset[bytes]:
+        return frozenset(self._stores.get(node, ()))
+
+    def cluster_hashes(self) -> frozenset[bytes]:
+        return frozenset(self._cluster)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -133,7 +154,10 @@ class IndexMirror:
             held = await self._read(owner)
             if held:
                 workers[owner[len(WORKER_OWNER):]] = held
-        self._store = await self._read(STORE_OWNER)
+        pattern = self.keys.store_index("*")
+        nodes = [key.decode()[len(pattern) - 1:] async for key in self.redis.scan_iter(match=pattern)]
+        self._stores = {node: await self._read(STORE_OWNER + node) for node in nodes}
+        self._cluster = await self._read(CLUSTER_OWNER)
         self._workers = workers
         self._seq = {}
         self._last_id = last_id
@@ -158,21 +182,32 @@ class IndexMirror:
             self.reloads += 1
             self._put(event.owner, await self._read(event.owner))
             return
-        held = self._store if event.owner == STORE_OWNER else self._workers.setdefault(
-            event.owner[len(WORKER_OWNER):], set())
+        held = self._held(event.owner)
         held.difference_update(event.removed)
         held.update(event.added)
 
+    def _held(self, owner: str) -> set[bytes]:
+        if owner.startswith(STORE_OWNER):
+            return self._stores.setdefault(owner[len(STORE_OWNER):], set())
+        if owner.startswith(CLUSTER_OWNER):
+            return self._cluster
+        return self._workers.setdefault(owner[len(WORKER_OWNER):], set())
+
     async def _read(self, owner: str) -> set[bytes]:
-        if owner == STORE_OWNER:
-            members = await self.redis.hkeys(self.keys.store_index())
+        """The key behind an owner's events (every node's cluster events name the one cluster key)."""
+        if owner.startswith(STORE_OWNER):
+            members = await self.redis.hkeys(self.keys.store_index(owner[len(STORE_OWNER):]))
+        elif owner.startswith(CLUSTER_OWNER):
+            members = await self.redis.smembers(self.keys.cluster_index())
         else:
             members = await self.redis.smembers(self.keys.worker_index(owner[len(WORKER_OWNER):]))
         return {bytes.fromhex(m.decode()) for m in members}
 
     def _put(self, owner: str, held: set[bytes]) -> None:
-        if owner == STORE_OWNER:
-            self._store = held
+        if owner.startswith(STORE_OWNER):
+            self._stores[owner[len(STORE_OWNER):]] = held
+        elif owner.startswith(CLUSTER_OWNER):
+            self._cluster = held
         elif held:
             self._workers[owner[len(WORKER_OWNER):]] = held
         else:
@@ -184,7 +219,8 @@ class IndexMirror:
                 if not self.tailing or time.monotonic() - self._synced_at > self.resync_s:
                     await self.sync()
                     if not self.tailing:
-                        log.info("prefix index mirrored", workers=len(self._workers), store_blocks=len(self._store))
+                        log.info("prefix index mirrored", workers=len(self._workers), store_nodes=len(self._stores),
+                                 cluster_blocks=len(self._cluster))
                     self.tailing, self._warned = True, False
                 await self.poll()
             except (aioredis.RedisError, OSError, ValueError) as e:

@@ -13,6 +13,7 @@ INDEX_TTL_S = 600  # an index whose owner stops refreshing it disappears
 INDEX_EVENTS_MAXLEN = 20_000  # change events kept for routers' mirrors (minutes of history)
 HEARTBEAT_TTLS = 3  # a worker's registration lives this many heartbeat intervals past its last beat
 WORKERS_TTL_S = 600  # the workers ZSET itself, refreshed by every beat
+CLUSTER_INDEX_MAX = 1_000_000  # hints of what the cluster tier holds (16 MB of Redis at most)
 
 
 def window_start(now: float | None = None) -> int:
@@ -24,10 +25,17 @@ def window_start(now: float | None = None) -> int:
 class RedisKeys:
     prefix: str = "pdserve"
 
-    def store_index(self) -> str:
-        """HASH block-hash hex -> tier ("device" | "dram"); the store's contents (capped by its
-        slots; TTL INDEX_TTL_S, refreshed by each flush)."""
-        return f"{self.prefix}:index:store"
+    def store_index(self, node: str = "local") -> str:
+        """HASH block-hash hex -> tier ("device" | "dram"); one store node's local contents
+        (capped by its slots; TTL INDEX_TTL_S, refreshed by each flush)."""
+        return f"{self.prefix}:index:store:{node}"
+
+    def cluster_index(self) -> str:
+        """SET of block-hash hex the cluster tier holds, as its store nodes saw it: added when a
+        node's write succeeded, removed when a node's read missed (the cluster evicts on its own,
+        so this is a hint). Every node writes it; capped at CLUSTER_INDEX_MAX (random members go
+        first), TTL INDEX_TTL_S refreshed by each writer."""
+        return f"{self.prefix}:index:cluster"
 
     def worker_index(self, worker: str) -> str:
         """SET of block-hash hex held in a worker's own prefix cache (capped by its pages; expires

@@ -1,5 +1,5 @@
-"""Prefix look-ups in Redis (which prefix of a hash chain each prefill worker and the store hold)
-and the hit-rate counters, per worker and for the store, in time windows."""
+"""Prefix look-ups in Redis (which prefix of a hash chain each prefill worker, each store node and
+the cluster tier hold) and the hit-rate counters, per worker and for the store, in time windows."""
 
 from __future__ import annotations
 
@@ -18,32 +18,47 @@ COUNTER_RETRY_S = 0.5  # between tries to write counters while Redis does not an
 @dataclass(frozen=True)
 class PrefixHits:
     worker_blocks: dict[str, int]  # leading blocks of the chain each prefill worker caches
-    store_blocks: int  # leading blocks of the chain the store holds
-    # Blocks the store holds right after each worker's own run: caches evict a chain's tail
-    # first and the store keeps what they evict, so a chain is often split between the two.
+    store_blocks: int  # leading blocks of the chain a store node holds (the most of any node)
+    # Blocks a worker's node's store holds right after that worker's own run: caches evict a
+    # chain's tail first and the store keeps what they evict, so a chain is often split between the two.
     store_after: dict[str, int] = field(default_factory=dict)
+    node_blocks: dict[str, int] = field(default_factory=dict)  # each store node's leading run
+    worker_nodes: dict[str, str] = field(default_factory=dict)  # each worker's store node
+    # Blocks the cluster tier holds right after what each worker can load from its node.
+    cluster_after: dict[str, int] = field(default_factory=dict)
 
     def store_tokens_for(self, worker_id: str, block_size: int) -> int:
-        """Leading prompt tokens that worker can have without computing: its own run and the
-        store's continuation of it, or the store's leading run, whichever is longer."""
+        """Leading prompt tokens that worker can have from its node without computing: its own run
+        and its store's continuation of it, or its store's leading run, whichever is longer."""
         own = self.worker_blocks.get(worker_id, 0) + self.store_after.get(worker_id, 0)
-        return max(self.store_blocks, own) * block_size
+        node = self.worker_nodes.get(worker_id)
+        lead = self.node_blocks.get(node, 0) if node is not None else self.store_blocks
+        return max(lead, own) * block_size
+
+    def cluster_tokens_for(self, worker_id: str, block_size: int) -> int:
+        """Prompt tokens the cluster tier holds right after those."""
+        return self.cluster_after.get(worker_id, 0) * block_size
 
 
-# KEYS: each prefill worker's set of cached hashes, then the store's index hash. ARGV[1]: the chain
-# as one string of 32-character hex hashes (one argument instead of n: much less to encode).
-# Returns, per worker key, how many leading hashes of the chain it holds; then the store's leading
-# run; then, per worker key, how many hashes the store holds right after that worker's run.
+# KEYS: each prefill worker's set of cached hashes (W), each store node's index hash (N), the
+# cluster's index set. ARGV[1]: the chain as one string of 32-character hex hashes (one argument
+# instead of n: much less to encode); ARGV[2..W+1]: each worker's node, as a position in the N.
+# Returns, per worker, how many leading hashes of the chain it holds; per node, its store's
+# leading run; per worker, how many hashes its node's store holds right after its run; per
+# worker, how many the cluster holds right after what it can load from its node.
 # A worker's cache holds chains prefix-closed (a block is cached only after its parent; eviction
 # takes tails first), so its presence is monotone along the chain and a binary search needs
-# ~log2(n) look-ups (one, for a worker lacking the first block). The store holds both chain heads
+# ~log2(n) look-ups (one, for a worker lacking the first block). A store holds both chain heads
 # and the tails workers evicted, with gaps between: it is scanned, stopping at the first miss,
-# and each start position is scanned once. The scan asks HMGET for growing batches (8, 16, ... 256
-# fields): 0.11 ms of Redis time for a 508-block chain, against 0.18 ms with one HEXISTS per field.
+# and each start position is scanned once. The scan asks HMGET (SMISMEMBER for the cluster's
+# set) for growing batches (8, 16, ... 256 fields): 0.11 ms of Redis time for a 508-block chain,
+# against 0.18 ms with one HEXISTS per field.
 _LEADING_RUNS = """
 local chain = ARGV[1]
 local n = #chain / 32
-local store = KEYS[#KEYS]
+local w = #ARGV - 1
+local nodes = #KEYS - w - 1
+local cluster = KEYS[#KEYS]
 local function has(key, i)
   return redis.call('SISMEMBER', key, string.sub(chain, (i - 1) * 32 + 1, i * 32)) == 1
 end
@@ -56,36 +71,43 @@ local function leading(key)
   end
   return lo
 end
-local function scan(start)
+local function scan(key, start)
   local i, step = start, 8
   while i <= n do
     local last = math.min(n, i + step - 1)
     local fields = {}
     for j = i, last do fields[#fields + 1] = string.sub(chain, (j - 1) * 32 + 1, j * 32) end
-    local vals = redis.call('HMGET', store, unpack(fields))
+    local vals
+    if key == cluster then vals = redis.call('SMISMEMBER', key, unpack(fields))
+    else vals = redis.call('HMGET', key, unpack(fields)) end
     for k = 1, #vals do
-      if not vals[k] then return i + k - 1 - start end
+      if not vals[k] or vals[k] == 0 then return i + k - 1 - start end
     end
     i = last + 1
     step = math.min(step * 2, 256)
   end
   return i - start
 end
-local out = {}
-for k = 1, #KEYS - 1 do out[k] = leading(KEYS[k]) end
-local lead = scan(1)
-out[#KEYS] = lead
-local after = {}
-for k = 1, #KEYS - 1 do
-  local run = out[k]
-  if run < lead then
-    out[#KEYS + k] = lead - run
-  elseif run == lead then
-    out[#KEYS + k] = 0  -- the lead scan stopped at run + 1
+local out, lead = {}, {}
+for k = 1, w do out[k] = leading(KEYS[k]) end
+for j = 1, nodes do lead[j] = scan(KEYS[w + j], 1); out[w + j] = lead[j] end
+local after, beyond = {}, {}
+for k = 1, w do
+  local j, run = tonumber(ARGV[k + 1]), out[k]
+  local a
+  if run < lead[j] then
+    a = lead[j] - run
+  elseif run == lead[j] then
+    a = 0  -- the lead scan stopped at run + 1
   else
-    if after[run] == nil then after[run] = scan(run + 1) end
-    out[#KEYS + k] = after[run]
+    local memo = j .. ':' .. run
+    if after[memo] == nil then after[memo] = scan(KEYS[w + j], run + 1) end
+    a = after[memo]
   end
+  out[w + nodes + k] = a
+  local loaded = math.max(lead[j], run + a)
+  if beyond[loaded] == nil then beyond[loaded] = scan(cluster, loaded + 1) end
+  out[2 * w + nodes + k] = beyond[loaded]
 end
 return out
 """
@@ -102,15 +124,24 @@ class PrefixIndex:
         self._pending: dict[tuple[str, int], dict[str, int]] = {}  # (scope, window) -> field -> count
         self._writer: asyncio.Task | None = None
 
-    async def lookup(self, hashes: list[bytes], worker_ids: list[str]) -> PrefixHits:
-        """One round trip; Redis itself counts each leading run and returns only the counts."""
+    async def lookup(self, hashes: list[bytes], worker_ids: list[str],
+                     worker_nodes: dict[str, str] | None = None) -> PrefixHits:
+        """One round trip; Redis itself counts each leading run and returns only the counts.
+        `worker_nodes`: each worker's store node (default: all on "local")."""
+        nodes_of = {w: (worker_nodes or {}).get(w, "local") for w in worker_ids}
+        nodes = sorted(set(nodes_of.values())) or ["local"]
         if not hashes:
-            return PrefixHits({w: 0 for w in worker_ids}, 0)
-        keys = [self.keys.worker_index(w) for w in worker_ids] + [self.keys.store_index()]
-        counts = await self._script(keys=keys, args=[b"".join(hashes).hex()])
-        w = len(worker_ids)
-        return PrefixHits(dict(zip(worker_ids, counts[:w], strict=True)), counts[w],
-                          dict(zip(worker_ids, counts[w + 1:], strict=True)))
+            return PrefixHits({w: 0 for w in worker_ids}, 0, worker_nodes=nodes_of)
+        keys = ([self.keys.worker_index(w) for w in worker_ids] + [self.keys.store_index(n) for n in nodes]
+                + [self.keys.cluster_index()])
+        position = {n: i + 1 for i, n in enumerate(nodes)}
+        counts = await self._script(keys=keys, args=[b"".join(hashes).hex(),
+                                                     *(position[nodes_of[w]] for w in worker_ids)])
+        w, n = len(worker_ids), len(nodes)
+        leads = dict(zip(nodes, counts[w:w + n], strict=True))
+        return PrefixHits(dict(zip(worker_ids, counts[:w], strict=True)), max(leads.values()),
+                          dict(zip(worker_ids, counts[w + n:2 * w + n], strict=True)), leads, nodes_of,
+                          dict(zip(worker_ids, counts[2 * w + n:], strict=True)))
 
     async def record(self, scope: str, lookup_tokens: int, expected_hit_tokens: int, hit_tokens: int) -> None:
         """Counts one request; returns at once (the counters reach Redis from a background task)."""

@@ -38,7 +38,7 @@ def profile_json(p: HashProfile) -> str:
                        "dtype": lay.dtype}, sort_keys=True)
 
 
-SIGNED_FIELDS = ("role", "address", "profile")
+SIGNED_FIELDS = ("role", "address", "profile", "store_node")
 
 
 def sign(token: str, worker_id: str, record: dict[str, str]) -> str:
@@ -64,11 +64,11 @@ class Registration:
 
     def __init__(self, url: str, keys: RedisKeys, worker_id: str, role: str, address: str, profile: HashProfile,
                  load: Callable[[], dict], cached_hashes: Callable[[], list[bytes]] | None = None,
-                 interval_s: float = 1.0, service_token: str = ""):
+                 interval_s: float = 1.0, service_token: str = "", store_node: str = "local"):
         self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.keys = keys
         self.worker_id = worker_id
-        self.fields = {"role": role, "address": address, "profile": profile_json(profile)}
+        self.fields = {"role": role, "address": address, "profile": profile_json(profile), "store_node": store_node}
         if service_token:
             self.fields["sig"] = sign(service_token, worker_id, self.fields)
         self.load = load

@@ -1,5 +1,9 @@
 """Mirrors the store's contents and hit counters into Redis, off the request path.
 
+Also the node's changes to the cluster index (what the cluster tier holds, as this node saw it:
+its writes that succeeded, its reads that missed), which the tier's threads hand over through a
+thread-safe deque.
+
 Redis down: the store keeps serving; changes accumulate (latest state per key), and once Redis
 answers again the whole index is rebuilt from the store's contents. So is an index that vanished
 while Redis stayed up (flushed, deleted): each flush checks the key still exists when it should.
@@ -8,14 +12,15 @@ while Redis stayed up (flushed, deleted): each flush checks the key still exists
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from pdserve import logs
-from pdserve.cluster.index_events import STORE_OWNER, EventWriter
-from pdserve.cluster.keys import INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+from pdserve.cluster.index_events import EventWriter, cluster_owner, store_owner
+from pdserve.cluster.keys import CLUSTER_INDEX_MAX, INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 from pdserve.kv.hashing import HASH_BYTES
 from pdserve.runtime.tasks import cancel_and_wait
 
@@ -51,6 +56,24 @@ end
 return 0
 """
 
+# KEYS[1]: the cluster index; ARGV: held ("1" or "0") then the keys as one hex string, pairs. Capped
+# at ARGV's last value: random members go (a hint, and routers resync their mirrors).
+APPLY_CLUSTER = """
+local index = KEYS[1]
+for a = 1, #ARGV - 1, 2 do
+  local held, keys = ARGV[a], ARGV[a + 1]
+  local members = {}
+  for k = 0, #keys / 32 - 1 do members[#members + 1] = string.sub(keys, k * 32 + 1, k * 32 + 32) end
+  for i = 1, #members, 2000 do
+    local part = {unpack(members, i, math.min(i + 1999, #members))}
+    if held == "1" then redis.call("SADD", index, unpack(part)) else redis.call("SREM", index, unpack(part)) end
+  end
+end
+local over = redis.call("SCARD", index) - tonumber(ARGV[#ARGV])
+if over > 0 then redis.call("SPOP", index, over) end
+return 0
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class _Committed:
@@ -59,10 +82,10 @@ class _Committed:
 
 
 class RedisIndex:
-    """Owns the pending index changes and the Redis connection state of one store."""
+    """Owns the pending index changes and the Redis connection state of one store node."""
 
     def __init__(self, url: str, keys: RedisKeys, snapshot: Callable[[], list[tuple[bytes, str]]],
-                 interval_s: float = 0.05):
+                 interval_s: float = 0.05, node: str = "local"):
         self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.keys = keys
         self.snapshot = snapshot
@@ -78,8 +101,12 @@ class RedisIndex:
         self._misses = 0
         self._task: asyncio.Task | None = None
         self._warned = False
-        self._events = EventWriter(keys, STORE_OWNER)
+        self.node = node
+        self._events = EventWriter(keys, store_owner(node))
         self._apply = self.redis.register_script(APPLY_CHANGES)
+        self._cluster_log: deque[tuple[bytes, bool]] = deque()  # (hash, held): appended by the tier's threads
+        self._cluster_events = EventWriter(keys, cluster_owner(node))
+        self._apply_cluster = self.redis.register_script(APPLY_CLUSTER)
 
     # IndexSink: called on the event loop, never blocks.
     def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
@@ -101,6 +128,29 @@ class RedisIndex:
                 pending[change[0]] = change[1]
         self._log = []
         return pending
+
+    # ClusterSink: called from the cluster tier's threads (deque appends are atomic).
+    def cluster_stored(self, hashes: Iterable[bytes]) -> None:
+        self._cluster_log.extend((h, True) for h in hashes)
+
+    def cluster_missing(self, hashes: Iterable[bytes]) -> None:
+        self._cluster_log.extend((h, False) for h in hashes)
+
+    def _take_cluster(self) -> dict[bytes, bool]:
+        pending: dict[bytes, bool] = {}
+        while self._cluster_log:
+            h, held = self._cluster_log.popleft()
+            pending[h] = held
+        return pending
+
+    async def _queue_cluster(self, pipe, pending: dict[bytes, bool]) -> None:
+        held = [h for h, v in pending.items() if v and len(h) == HASH_BYTES]
+        gone = [h for h, v in pending.items() if not v and len(h) == HASH_BYTES]
+        index = self.keys.cluster_index()
+        args = [a for flag, ks in (("1", held), ("0", gone)) if ks for a in (flag, b"".join(ks).hex())]
+        await self._apply_cluster(keys=[index], args=[*args, CLUSTER_INDEX_MAX], client=pipe)  # queued
+        self._cluster_events.queue(pipe, added=held, removed=gone)
+        pipe.expire(index, INDEX_TTL_S)
 
     def looked_up(self, hits: int, misses: int) -> None:
         self._hits += hits
@@ -146,7 +196,7 @@ class RedisIndex:
         return by_tier
 
     async def flush(self) -> None:
-        index = self.keys.store_index()
+        index = self.keys.store_index(self.node)
         # A transaction: the index and its change event land together (see index_events).
         pipe = self.redis.pipeline(transaction=True)
         pipe.exists(index)
@@ -162,6 +212,9 @@ class RedisIndex:
                 self._events.queue(pipe, added=[k for tier, ks in by_tier.items() if tier for k in ks],
                                    removed=by_tier.get("", []))
         pipe.expire(index, INDEX_TTL_S)
+        cluster = self._take_cluster()
+        if cluster:
+            await self._queue_cluster(pipe, cluster)
         hits, misses = self._hits, self._misses
         if hits or misses:
             window = self.keys.hits("store", window_start())
@@ -173,6 +226,7 @@ class RedisIndex:
             results = await pipe.execute()
         except BaseException:
             self._log[:0] = pending.items()  # not written: ahead of what came since, which wins
+            self._cluster_log.extendleft(reversed(cluster.items()))
             raise
         self._hits -= hits
         self._misses -= misses

@@ -38,6 +38,7 @@ class StoreInfo:
     device_capacity_blocks: int
     dram_capacity_blocks: int
     device_kind: str
+    node: str = "local"  # the store node's name
 
 
 @dataclass(frozen=True)
@@ -154,3 +155,4 @@ class Pinned:
     slots: Slots  # the longest stored prefix
     tail_address: int | None = None
     tail_checksum: int = 0
+    from_cluster: int = 0  # the last ones of `slots` the store fetched from the cluster tier for this call

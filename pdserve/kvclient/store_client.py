@@ -78,7 +78,8 @@ class StoreClient:
                 pass  # another host or network namespace: TCP it is
         self.segment = info.segment
         return StoreInfo(info.segment, info.unix_address, profile_from_pb(info.profile), info.block_nbytes,
-                         info.device_capacity_blocks, info.dram_capacity_blocks, info.device_kind)
+                         info.device_capacity_blocks, info.dram_capacity_blocks, info.device_kind,
+                         info.node or "local")
 
     def _open(self, target: str) -> kvstore_pb2_grpc.KVStoreStub:
         ch = channel(target)
@@ -208,8 +209,9 @@ class StoreClient:
             profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id))
         if not resp.HasField("tail"):
-            return Pinned(resp.lease_id, slots_from_pb(resp.slots))
-        return Pinned(resp.lease_id, slots_from_pb(resp.slots), resp.tail.address, resp.tail.checksum)
+            return Pinned(resp.lease_id, slots_from_pb(resp.slots), from_cluster=resp.from_cluster)
+        return Pinned(resp.lease_id, slots_from_pb(resp.slots), resp.tail.address, resp.tail.checksum,
+                      resp.from_cluster)
 
     async def read_slots(self, slots: Slots, local_addrs: Sequence[int]) -> list[int]:
         """Read blocks into local memory and verify them; returns the positions that failed their

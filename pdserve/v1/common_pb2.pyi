@@ -86,18 +86,20 @@ class TokenEvent(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens_local", "cached_tokens_store", "computed_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens_local", "cached_tokens_store", "computed_tokens", "cached_tokens_cluster")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_LOCAL_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_STORE_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens_local: int
     cached_tokens_store: int
     computed_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens_local: _Optional[int] = ..., cached_tokens_store: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens_cluster: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens_local: _Optional[int] = ..., cached_tokens_store: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., cached_tokens_cluster: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "store_write_ms", "pull_wait_ms", "ttft_ms", "total_ms", "store_write_exposed_ms", "route_ms")

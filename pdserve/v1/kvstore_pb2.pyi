@@ -59,7 +59,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "unix_address")
+    __slots__ = ("segment", "profile", "block_nbytes", "device_capacity_blocks", "dram_capacity_blocks", "device_kind", "unix_address", "node")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class InfoResponse(_message.Message):
     DRAM_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     UNIX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     segment: str
     profile: _common_pb2.HashProfile
     block_nbytes: int
@@ -74,7 +75,8 @@ class InfoResponse(_message.Message):
     dram_capacity_blocks: int
     device_kind: str
     unix_address: str
-    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., unix_address: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, segment: _Optional[str] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_nbytes: _Optional[int] = ..., device_capacity_blocks: _Optional[int] = ..., dram_capacity_blocks: _Optional[int] = ..., device_kind: _Optional[str] = ..., unix_address: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class AllocatePutRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id", "writer_keeps_copy", "hold_ms")
@@ -145,16 +147,18 @@ class GetRequest(_message.Message):
     def __init__(self, profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., tail_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("lease_id", "slots", "tail", "lease_deadline_unix_ms")
+    __slots__ = ("lease_id", "slots", "tail", "lease_deadline_unix_ms", "from_cluster")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FROM_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     slots: SlotList
     tail: Slot
     lease_deadline_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., tail: _Optional[_Union[Slot, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    from_cluster: int
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Union[SlotList, _Mapping]] = ..., tail: _Optional[_Union[Slot, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., from_cluster: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "lease_ms", "request_id")

@@ -36,6 +36,7 @@ class Worker:
     transfer: Transfer
     store: StoreClient
     pages: PageAddresses
+    store_node: str = "local"  # the store node it is attached to (from the store's Info)
 
     def registration(self, address: str) -> Registration:
         worker_id = self.cfg.worker_id or f"{self.role.value}-{address}"
@@ -43,7 +44,7 @@ class Worker:
         return Registration(self.cfg.redis_url, RedisKeys(self.cfg.key_prefix), worker_id, self.role.value,
                             address, self.profile, lambda: self.engine.load,
                             lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s,
-                            service_token=auth.current().service_token)
+                            service_token=auth.current().service_token, store_node=self.store_node)
 
 
 async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
@@ -63,5 +64,6 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     thread = EngineThread(engine)
     thread.start()
     log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12],
-             num_blocks=cfg.num_blocks, store=cfg.store, segment=transfer.segment)
-    return Worker(cfg, role, model, thread, engine.profile, transfer, store, PageAddresses(engine.kv_cache))
+             num_blocks=cfg.num_blocks, store=cfg.store, store_node=info.node, segment=transfer.segment)
+    return Worker(cfg, role, model, thread, engine.profile, transfer, store, PageAddresses(engine.kv_cache),
+                  info.node)

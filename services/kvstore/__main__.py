@@ -66,12 +66,15 @@ async def main() -> None:
     store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000,
                        max_lease_s=cfg.max_lease_ms / 1000, max_leases_per_client=cfg.max_leases_per_client,
                        below=cluster.spill if cluster is not None else None)
-    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks)
+    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks, node=cfg.node)
     store.index = index
+    if cluster is not None:
+        cluster.index = index
     # (abstract Unix sockets are Linux's; the name is unique to this process)
     unix = f"unix-abstract:pdserve-kvstore-{uuid.uuid4().hex}" if cfg.unix and sys.platform == "linux" else ""
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
-                               redis_connected=lambda: index.connected, unix_address=unix, cluster=cluster)
+                               redis_connected=lambda: index.connected, unix_address=unix, cluster=cluster,
+                               node=cfg.node)
 
     def register(server) -> list[str]:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)

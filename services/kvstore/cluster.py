@@ -39,6 +39,7 @@ log = logs.get("kvstore.cluster")
 
 TRAILER = 8  # the checksum after each object's block bytes
 RPC_FAIL = -900  # Mooncake's code for a master that did not answer
+NOT_FOUND = -704  # Mooncake's code for a key it does not hold
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
 
 
@@ -105,7 +106,8 @@ class ClusterTier:
             self._free.put(i)
         self.num_slots = n
         self._client = client  # set once connected
-        self._writes: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[bytes, int] | None] = queue.SimpleQueue()
+        self.index = None  # a ClusterSink (the node's RedisIndex): told what was written and what missed
         self._reads = ThreadPoolExecutor(1, thread_name_prefix="cluster-get")
         self._closed = threading.Event()
         self._stuck = None  # a get that ran past its timeout and has not returned: gets skip the cluster
@@ -174,7 +176,7 @@ class ClusterTier:
         self._view(slot).copy_(view)
         struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(self._address(slot) + self.block_nbytes), 0,
                          checksum)
-        self._writes.put((self.key(block_hash), slot))
+        self._writes.put((block_hash, slot))
 
     def _write_loop(self) -> None:
         while True:
@@ -191,7 +193,8 @@ class ClusterTier:
                     self._writes.put(None)
                     break
                 batch.append(item)
-            keys, slots = [k for k, _ in batch], [s for _, s in batch]
+            hashes, slots = [h for h, _ in batch], [s for _, s in batch]
+            keys = [self.key(h) for h in hashes]
             try:
                 codes = self._client.batch_put_from(keys, [self._address(s) for s in slots], [self.stride] * len(slots))
             except Exception:  # noqa: BLE001 - a failed write is a dropped block, never a stuck thread
@@ -204,6 +207,8 @@ class ClusterTier:
             ok = sum(c == 0 for c in codes)
             self.counters.spilled += ok
             self.counters.put_failures += len(codes) - ok
+            if self.index is not None and ok:
+                self.index.cluster_stored([h for h, c in zip(hashes, codes, strict=True) if c == 0])
 
     # -- reading ---------------------------------------------------------------------------
     async def fetch(self, hashes: Sequence[bytes]) -> list[Fetched]:
@@ -249,6 +254,8 @@ class ClusterTier:
             self._skip_until = time.monotonic() + RETRY_S
         self.counters.connected = not sizes or sizes[0] != RPC_FAIL
         out: list[Fetched] = []
+        if self.index is not None:  # not there (a failed call says nothing of what is)
+            self.index.cluster_missing([h for h, size in zip(hashes, sizes, strict=True) if size == NOT_FOUND])
         for h, key, slot, size in zip(hashes, keys, slots, sizes, strict=True):
             if size != self.stride:
                 self.counters.fetch_misses += len(hashes) - len(out)
@@ -260,6 +267,8 @@ class ClusterTier:
                 self.counters.fetch_misses += len(hashes) - len(out) - 1
                 log.warning("a block fetched from the cluster failed its checksum: removed there", key=key)
                 self._client.remove(key, True)
+                if self.index is not None:
+                    self.index.cluster_missing([h])
                 break
             out.append(Fetched(h, expected, self._view(slot), slot))
         self.counters.fetched += len(out)

@@ -17,6 +17,8 @@ class KVStoreConfig:
     unix: bool = field(True, "also serve gRPC at an abstract Unix socket, for clients on this host and network "
                              "namespace (Linux): a shorter round trip than TCP loopback")
     port_file: str = field("", "write the bound port here once serving")
+    node: str = field("local", "this store node's name, unique in the deployment: its workers register it, the "
+                               "router pairs a prefill with a decode of the same node, the prefix index is per node")
     model: str = field("tiny", "model whose KV this store serves: 'tiny' or a checkpoint directory")
     dtype: str = field("float32", "KV dtype")
     engine: str = field("real", "real | mock: the workers' engine (mock KV has its own profile)")
@@ -67,4 +69,6 @@ class KVStoreConfig:
             raise ValueError("cluster_segment_bytes must be 0 (use the cluster only) or at least 16 MiB")
         if self.cluster_timeout_ms <= 0:
             raise ValueError("cluster_timeout_ms must be positive")
+        if not self.node or not self.node.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"node must be letters, digits, '-' and '_', got {self.node!r}")
         parse_cpus(self.cpus)

@@ -44,7 +44,7 @@ def client_id(context) -> str:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
                  max_blocks: int, redis_connected=lambda: False, unix_address: str = "",
-                 cluster: ClusterTier | None = None):
+                 cluster: ClusterTier | None = None, node: str = "local"):
         self.store = store
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
@@ -54,6 +54,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.redis_connected = redis_connected
         self.unix_address = unix_address
         self.cluster = cluster
+        self.node = node
 
     def _hashes(self, profile, raw: bytes, request_id: str = "") -> list[bytes]:
         logs.bind_request_id(request_id)
@@ -81,7 +82,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             segment=self.segment, profile=self.profile_pb, block_nbytes=self.store.block_nbytes,
             device_capacity_blocks=self.store.tiers[DEVICE].info.num_slots,
             dram_capacity_blocks=self.store.tiers[DRAM].info.num_slots, device_kind=self.device_kind,
-            unix_address=self.unix_address)
+            unix_address=self.unix_address, node=self.node)
 
     async def AllocatePut(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
@@ -99,32 +100,36 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Get(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
         owner = client_id(context)
-        if self.cluster is not None:
-            await self._from_cluster(hashes)
+        fetched = await self._from_cluster(hashes) if self.cluster is not None else 0
         lease, blocks, tail = self.store.get(owner, hashes, _tail(request.tail_key), request.lease_ms,
                                              request.request_id)
         if lease is None:
             return pb.GetResponse()
         return pb.GetResponse(lease_id=lease.lease_id, slots=self._read_list(blocks),
                               tail=self._slot(tail) if tail is not None else None,
-                              lease_deadline_unix_ms=_unix_ms(lease.deadline))
+                              lease_deadline_unix_ms=_unix_ms(lease.deadline),
+                              from_cluster=min(fetched, len(blocks)))
 
-    async def _from_cluster(self, hashes: list[bytes]) -> None:
+    async def _from_cluster(self, hashes: list[bytes]) -> int:
         """Where the local run of `hashes` ends, fetch what follows from the cluster, in rounds of
-        what the staging buffer holds, into local slots."""
+        what the staging buffer holds, into local slots; how many blocks it placed (they end the
+        local run the get then pins: nothing awaits between)."""
         start = self.store.committed_run(hashes)
+        fetched = 0
         while start < len(hashes):
             run = await self.cluster.fetch(hashes[start:])
             if not run:
-                return
+                return fetched
             try:
                 placed = self.store.adopt(hashes[:start], [f.key for f in run], [f.checksum for f in run],
                                           [f.view for f in run])
             finally:
                 self.cluster.done_with(run)
+            fetched += placed
             if placed < len(run):
-                return
+                return fetched
             start = self.store.committed_run(hashes)
+        return fetched
 
     async def RenewLease(self, request, context):
         deadline = self.store.renew(client_id(context), request.lease_id, request.lease_ms)

@@ -44,6 +44,7 @@ class PrefillOutput:
     cached_local: int
     cached_store: int
     computed: int
+    cached_cluster: int = 0  # of cached_store: fetched by the store from the cluster tier for this request
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -87,7 +88,7 @@ class Prefiller:
                 raise ResourceExhausted(f"prefill worker full: {e}; retry later") from e
             n_full = len(req.prompt_ids) // bs
             n_local = res.num_local_blocks
-            n_store = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local, n_full)
+            n_store, n_cluster = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local, n_full)
             await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
             t_loaded = time.perf_counter()
             tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
@@ -136,6 +137,7 @@ class Prefiller:
         return PrefillOutput(
             rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, hold,
             cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
+            cached_cluster=min(n_cluster * bs, cached - local),
             timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
                         "tail_ms": (done - t_first) * 1e3,
@@ -169,15 +171,16 @@ class Prefiller:
             await asyncio.sleep(SETTLE_POLL_S)
 
     async def _load_from_store(self, rid: str, hashes: list[bytes], table: list[int], n_local: int,
-                               loadable: int) -> int:
-        """Read the store's blocks [n_local, loadable) of the chain into our pages; how many were read."""
+                               loadable: int) -> tuple[int, int]:
+        """Read the store's blocks [n_local, loadable) of the chain into our pages; how many were
+        read, and how many of those the store fetched from the cluster tier."""
         if n_local >= loadable:
-            return 0
+            return 0, 0
         store = self.w.store
         with tracer.start_as_current_span("store.get", attributes={"request_id": rid}) as span:
             pinned = await store.pin(hashes[n_local:loadable], request_id=rid, lease_ms=self.w.cfg.lease_ms)
             if not pinned.lease_id:
-                return 0
+                return 0, 0
             try:
                 n = len(pinned.slots)
                 bad = await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
@@ -189,7 +192,7 @@ class Prefiller:
                 store.release_soon(pinned.lease_id)
             span.set_attribute("blocks", n)
             span.set_attribute("bytes", n * store.block_nbytes)
-            return n
+            return n, max(0, n - (len(pinned.slots) - pinned.from_cluster))
 
     async def _ship(self, alloc: Allocation, pages: list[int], start: int, end: int) -> float:
         """Write blocks [start, end) where the store asked for them and send their commit (its

@@ -37,7 +37,8 @@ def to_pb(out: PrefillOutput, text: str, prompt_tokens: int) -> prefill_pb2.Pref
                                           finish_reason=finish_to_pb(out.finish_reason)),
         block_hashes=out.block_hashes, tail_key=out.tail_key, kv_hold_lease_id=out.kv_hold_lease_id,
         usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens_local=out.cached_local,
-                               cached_tokens_store=out.cached_store, computed_tokens=out.computed),
+                               cached_tokens_store=out.cached_store, computed_tokens=out.computed,
+                               cached_tokens_cluster=out.cached_cluster),
         timings=common_pb2.Timings(prefill_ms=t["prefill_ms"], store_write_ms=t["store_write_ms"],
                                    store_write_exposed_ms=t["store_write_exposed_ms"],
                                    queue_ms=t["load_ms"], total_ms=t["total_ms"]))

@@ -1,12 +1,14 @@
 """Choosing workers: pure logic, no I/O.
 
 Prefill (cache_aware): the lowest estimated TTFT, Mooncake Conductor's rule:
-    queue_wait(P) + prefill_time(uncached tokens) + fetch_time(store-held tokens beyond P's own)
+    queue_wait(P) + prefill_time(uncached tokens) + fetch_time(tokens its node's store holds beyond
+    P's own) + cluster_time(tokens the cluster tier holds beyond those)
 where the queue and the request itself are priced alike, per request (control calls and steps,
 whatever a prompt's length: a queue of short, mostly cached prompts is not free) and per token.
 The coefficients are fitted to what the estimate predicts: each prefill's time from the router
 sending it to its first token arriving back, against the queue it joined and what it computed
-and fetched (least squares over the recent ones), not constants.
+and fetched from its store and from the cluster (least squares over the recent ones), not
+constants.
 Decode: among workers with room for prompt + max_tokens, the most free KV blocks, then fewest
 running sequences.
 """
@@ -28,16 +30,18 @@ class PrefillCandidate:
     inflight: int
     store_hit_tokens: int | None = None  # leading tokens it can load (own run + store); None: the pool-wide figure
     queued_requests: int = 0  # prefills there ahead of this one
+    cluster_hit_tokens: int = 0  # tokens the cluster tier holds right after what it can load from its node
 
 
 @dataclass(frozen=True)
 class PrefillCost:
     """What a prefill's time to first token is priced by: the requests and tokens to compute
-    (its queue's and its own) and the tokens it fetches."""
+    (its queue's and its own) and the tokens it fetches from its node's store and from the cluster."""
 
     requests: int
     tokens: int
     fetched: int
+    cluster: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,35 +56,38 @@ class PrefillChoice:
     worker_id: str
     estimated_ttft_ms: float
     expected_local_tokens: int
-    expected_store_tokens: int
+    expected_store_tokens: int  # from the store, the cluster's included
     best_hit_tokens: int  # the most any candidate could have reused: what the choice gave up for load shows
     queue: PrefillCost  # the chosen worker's queue, as estimated
 
 
 class Coefficients:
-    """ms per prefill request, per computed token and per fetched token: ms(cost) = requests *
-    request_ms + tokens * prefill_ms_per_token + fetched * fetch_ms_per_token, fitted by least
-    squares to the last WINDOW prefills. Owns those samples."""
+    """ms per prefill request, per computed token, per token fetched from the node's store and per
+    token fetched from the cluster tier: ms(cost) = requests * request_ms + tokens *
+    prefill_ms_per_token + fetched * fetch_ms_per_token + cluster * cluster_ms_per_token, fitted
+    by least squares to the last WINDOW prefills. Owns those samples."""
 
     WINDOW, REFIT_EVERY, MIN_SAMPLES = 256, 16, 32
-    NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token")
+    NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token", "cluster_ms_per_token")
 
     def __init__(self, prefill_ms_per_token: float = 0.1, fetch_ms_per_token: float = 0.01,
-                 request_ms: float = 5.0):
+                 request_ms: float = 5.0, cluster_ms_per_token: float = 0.03):
         self.request_ms = request_ms
         self.prefill_ms_per_token = prefill_ms_per_token
         self.fetch_ms_per_token = fetch_ms_per_token
-        self._recent: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
+        self.cluster_ms_per_token = cluster_ms_per_token
+        self._recent: deque[tuple[int, int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
 
     def ms(self, c: PrefillCost) -> float:
-        return c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token + c.fetched * self.fetch_ms_per_token
+        return (c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token
+                + c.fetched * self.fetch_ms_per_token + c.cluster * self.cluster_ms_per_token)
 
     def observe(self, cost: PrefillCost, first_token_ms: float) -> None:
         """A prefill of `cost` (its queue's and its own) took `first_token_ms` to its first token."""
         if first_token_ms <= 0:
             return
-        self._recent.append((cost.requests, cost.tokens, cost.fetched, first_token_ms))
+        self._recent.append((cost.requests, cost.tokens, cost.fetched, cost.cluster, first_token_ms))
         self.samples += 1
         if len(self._recent) >= self.MIN_SAMPLES and self.samples % self.REFIT_EVERY == 0:
             self._fit()
@@ -89,10 +96,11 @@ class Coefficients:
         """A coefficient the samples cannot tell (its column never varies) or that comes out
         negative keeps its value; the others are fitted again without it."""
         data = np.array(self._recent, dtype=np.float64)
-        x, y = data[:, :3], data[:, 3]
-        free = [i for i in range(3) if np.ptp(x[:, i]) > 0]
+        k = len(self.NAMES)
+        x, y = data[:, :k], data[:, k]
+        free = [i for i in range(k) if np.ptp(x[:, i]) > 0]
         while free:
-            fixed = [i for i in range(3) if i not in free]
+            fixed = [i for i in range(k) if i not in free]
             rest = y - sum(x[:, i] * getattr(self, self.NAMES[i]) for i in fixed)
             fit = np.linalg.lstsq(x[:, free], rest, rcond=None)[0]
             if (fit >= 0).all():
@@ -104,13 +112,17 @@ class Coefficients:
 
 def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: int, coef: Coefficients) -> tuple[
         float, int, int]:
-    """(estimate, tokens P reuses from its own cache, tokens it fetches from the store)."""
+    """(estimate, tokens P reuses from its own cache, tokens it fetches from the store and the
+    cluster)."""
     local = min(c.local_hit_tokens, prompt_tokens - 1)
     if c.store_hit_tokens is not None:
         store_hit_tokens = c.store_hit_tokens
-    fetched = max(0, min(store_hit_tokens, prompt_tokens - 1) - local)
-    uncached = prompt_tokens - local - fetched
-    return coef.ms(PrefillCost(c.queued_requests + 1, c.queued_tokens + uncached, fetched)), local, fetched
+    loadable = max(local, min(store_hit_tokens, prompt_tokens - 1))
+    fetched = loadable - local
+    cluster = max(0, min(loadable + c.cluster_hit_tokens, prompt_tokens - 1) - loadable)
+    uncached = prompt_tokens - loadable - cluster
+    cost = PrefillCost(c.queued_requests + 1, c.queued_tokens + uncached, fetched, cluster)
+    return coef.ms(cost), local, fetched + cluster
 
 
 def over_slo(estimate_ms: float, waited_ms: float, slo_ms: float) -> str:

@@ -53,6 +53,7 @@ class Summary:
     cached_local: int = 0
     cached_store: int = 0
     computed: int = 0
+    cached_cluster: int = 0  # of cached_store: fetched from the cluster tier
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 

@@ -102,6 +102,12 @@ class Router:
         dcands = [DecodeCandidate(w.worker_id, w.free_blocks(), int(w.load.get("running_requests", 0)) + w.inflight)
                   for w in decodes]
         dchoice = self.policy.choose_decode(dcands, need)
+        # A handoff stays on one store node: a prefill is paired with its own node's decode.
+        node_decode = {node: self.policy.choose_decode([c for c, w in zip(dcands, decodes, strict=True)
+                                                        if w.store_node == node], need)
+                       for node in {w.store_node for w in decodes}}
+        if dchoice is not None:
+            prefills = [w for w in prefills if node_decode.get(w.store_node) is not None]
         largest = max((int(w.load.get("total_kv_blocks", 0)) for w in decodes), default=0)
         if dchoice is None and 0 < largest < need:  # it never will: refused now, never queued
             raise ResourceExhausted(f"no decode worker can admit {need} KV blocks: the largest holds {largest} in "
@@ -112,7 +118,7 @@ class Router:
         if dchoice is None and not self.cfg.ttft_slo_ms:
             raise no_room
         t_lookup = time.perf_counter()
-        hits = await self._lookup(hashes, [w.worker_id for w in prefills])
+        hits = await self._lookup(hashes, {w.worker_id: w.store_node for w in prefills})
         self.metrics.observe("route_lookup_ms", (time.perf_counter() - t_lookup) * 1e3)
         loadable = {w.worker_id: hits.store_tokens_for(w.worker_id, bs) for w in prefills}  # Redis's view
         if self.policy.name == "cache_aware" and self.pool.redis_ok:
@@ -125,7 +131,8 @@ class Router:
             pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
                                        hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight,
                                        loadable[w.worker_id],
-                                       max(int(w.load.get("running_requests", 0)), w.inflight_prefills))
+                                       max(int(w.load.get("running_requests", 0)), w.inflight_prefills),
+                                       hits.cluster_tokens_for(w.worker_id, bs))
                       for w in prefills]
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
@@ -135,12 +142,14 @@ class Router:
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
             raise no_room
-        decode = self.pool.workers[dchoice.worker_id]
         if colocate:
+            decode = self.pool.workers[dchoice.worker_id]
             return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3,
                          decode_blocks=need)
+        prefill = self.pool.workers[choice.worker_id]
+        decode = self.pool.workers[node_decode[prefill.store_node].worker_id]
         self.recent.add(choice.worker_id, hashes)
-        return Route(self.pool.workers[choice.worker_id], decode, self.policy.name, choice.expected_local_tokens,
+        return Route(prefill, decode, self.policy.name, choice.expected_local_tokens,
                      choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
                      choice.best_hit_tokens, need, choice.queue)
 
@@ -156,14 +165,16 @@ class Router:
             return ""
         return "mirror" if self.mirror is not None and self.mirror.live else "redis"
 
-    async def _lookup(self, hashes: list[bytes], prefill_ids: list[str]) -> PrefixHits:
+    async def _lookup(self, hashes: list[bytes], prefill_nodes: dict[str, str]) -> PrefixHits:
+        """`prefill_nodes`: each candidate prefill worker's store node."""
+        prefill_ids = list(prefill_nodes)
         source = self.index_source()
         if not source:
             return PrefixHits({}, 0)  # load-only routing
         if source == "mirror":
-            return self.mirror.lookup(hashes, prefill_ids)
+            return self.mirror.lookup(hashes, prefill_ids, prefill_nodes)
         try:
-            return await self.index.lookup(hashes, prefill_ids)
+            return await self.index.lookup(hashes, prefill_ids, prefill_nodes)
         except REDIS_DOWN:
             self.pool.redis_ok = False
             return PrefixHits({}, 0)
@@ -341,8 +352,8 @@ class Router:
                 if isinstance(ev, FirstFromPrefill):
                     await self._account(ev.response, route, len(ids), (ev.at - t_sent) * 1e3)
                     u = ev.response.usage
-                    summary.cached_local, summary.cached_store, summary.computed = (
-                        u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens)
+                    summary.cached_local, summary.cached_store, summary.computed, summary.cached_cluster = (
+                        u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens, u.cached_tokens_cluster)
                     summary.timings_ms.update(prefill_ms=ev.response.timings.prefill_ms,
                                               store_write_ms=ev.response.timings.store_write_ms)
                     summary.completion_tokens = 1
@@ -374,12 +385,14 @@ class Router:
         """`first_token_ms`: from sending the request to its first token here."""
         u = resp.usage
         q = route.prefill_queue or PrefillCost(0, 0, 0)
-        self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens, u.cached_tokens_store),
+        self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens,
+                                      u.cached_tokens_store - u.cached_tokens_cluster, u.cached_tokens_cluster),
                           first_token_ms)
         hit = u.cached_tokens_local + u.cached_tokens_store
         self.metrics.count("prompt_tokens", prompt_tokens)
         self.metrics.count("hit_tokens_local", u.cached_tokens_local)
         self.metrics.count("hit_tokens_store", u.cached_tokens_store)
+        self.metrics.count("hit_tokens_cluster", u.cached_tokens_cluster)
         if not self.pool.redis_ok:
             return
         try:

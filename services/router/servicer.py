@@ -64,7 +64,7 @@ def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
         request_id=s.request_id, finish_reason=s.finish_reason,
         usage=common_pb2.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
                                cached_tokens_local=s.cached_local, cached_tokens_store=s.cached_store,
-                               computed_tokens=s.computed),
+                               computed_tokens=s.computed, cached_tokens_cluster=s.cached_cluster),
         timings=common_pb2.Timings(ttft_ms=t.get("ttft_ms", 0), total_ms=t.get("total_ms", 0),
                                    prefill_ms=t.get("prefill_ms", 0), store_write_ms=t.get("store_write_ms", 0),
                                    pull_wait_ms=t.get("pull_wait_ms", 0), queue_ms=t.get("queue_ms", 0),

@@ -42,6 +42,7 @@ class WorkerView:
     role: str  # "prefill" | "decode"
     address: str
     signature: str = ""  # the registration's `sig`: a new one is judged afresh
+    store_node: str = "local"  # the store node it reads and writes KV through (a handoff stays on one node)
     load: dict = field(default_factory=dict)
     healthy: bool = False
     checked: bool = False  # its health was asked at least once
@@ -181,7 +182,8 @@ class WorkerPool:
             task.add_done_callback(self._closing.discard)
 
     def _new_view(self, wid: str, rec: dict) -> WorkerView:
-        view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""))
+        view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""),
+                          rec.get("store_node") or "local")
         if self.service_token:
             view.refused_reason = signature_problem(self.service_token, wid, rec)
         if not view.refused_reason and rec.get("profile") != self.profile_json:

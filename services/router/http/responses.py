@@ -32,7 +32,7 @@ def extension(summary: Summary, token_ids: list[int]) -> dict:
     r = summary.route
     return {"request_id": summary.request_id, "token_ids": token_ids,
             "cached_tokens_local": summary.cached_local, "cached_tokens_store": summary.cached_store,
-            "computed_tokens": summary.computed,
+            "computed_tokens": summary.computed, "cached_tokens_cluster": summary.cached_cluster,
             "timings_ms": {k: round(v, 3) for k, v in summary.timings_ms.items()} | {"route_ms": round(r.route_ms, 3)},
             "route": {"prefill": r.prefill.address if r.prefill else "", "decode": r.decode.address,
                       "policy": r.policy, "colocated": r.prefill is None,
