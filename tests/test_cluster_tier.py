@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -155,3 +156,39 @@ def test_with_the_master_gone_the_local_tiers_serve_and_the_tier_comes_back(shar
     finally:
         a.stop()
         b.stop()
+
+
+def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(master):
+    """Two tiers in this process, of two block sizes (two hash profiles), on one real master:
+    the same block hash is two keys; each reads back only its own bytes, the other misses."""
+    import asyncio
+
+    from services.kvstore.cluster import ClusterConfig, ClusterTier
+
+    small = replace(PROFILE, layout=replace(PROFILE.layout, block_size=8))
+    tiers = {}
+    for name, profile in (("16", PROFILE), ("8", small)):
+        nbytes = profile.layout.block_nbytes
+        tiers[name] = ClusterTier(ClusterConfig(master.address, segment_bytes=SEGMENT if name == "16" else 0,
+                                                buffer_bytes=8 * (nbytes + TRAILER), timeout_s=2.0),
+                                  root_hash(profile), nbytes)
+    try:
+        assert wait_for_value(lambda: all(t.connected for t in tiers.values()), True, 30)
+        h = block_hash(9, 0)
+        assert tiers["16"].key(h) != tiers["8"].key(h)
+        data = block_data(9, 0)
+        tiers["16"].spill(h, checksum_of(data), data)
+        assert wait_for_value(lambda: tiers["16"].counters.spilled, 1, 10)
+
+        async def fetch(tier):
+            run = await tier.fetch([h])
+            out = [(f.key, torch.equal(f.view, data)) for f in run]
+            tier.done_with(run)
+            return out
+
+        assert asyncio.run(fetch(tiers["8"])) == []  # the other profile's key: not there
+        assert tiers["8"].counters.fetch_misses == 1
+        assert asyncio.run(fetch(tiers["16"])) == [(h, True)]
+    finally:
+        for t in tiers.values():
+            t.close()

@@ -283,7 +283,21 @@ def run(args: argparse.Namespace) -> None:
     lines = [_line(r) for r in rows] + [
         f"tiny {r['tokens']:>6} tok, full store (each new block evicts one): allocate p50 {r['allocate_p50_ms']:.2f} ms"
         for r in full]
-    emit({"rows": rows, "full_store_tiny": full, "block_size": args.block_size}, targets, args.json, lines)
+    figures = {"rows": rows, "full_store_tiny": full, "block_size": args.block_size}
+    if args.cluster:
+        from pdserve.bench.cluster_bench import cluster_rows
+
+        layout = "7b" if "7b" in args.layouts else "tiny"
+        cluster = cluster_rows(_layouts(args.block_size)[layout], args.cluster_tokens, args.repeats)
+        figures["cluster_rows"] = cluster
+        lines += [f"{r['layout']:>4} {r['tokens']:>6} tok {r['bytes'] / 2**20:8.1f} MiB: cluster tier put "
+                  f"{r['tier_put_gbps']:.2f} get {r['tier_get_gbps']:.2f} GB/s, raw mooncake put "
+                  f"{r['raw_put_gbps']:.2f} get {r['raw_get_gbps']:.2f}  tier/raw put {r['put_vs_raw']:.2f} "
+                  f"get {r['get_vs_raw']:.2f}" for r in cluster]
+        if layout == "7b":
+            targets.append(Target("cluster_put_vs_raw_7b_min", min(r["put_vs_raw"] for r in cluster), "x", 0.8, ">="))
+            targets.append(Target("cluster_get_vs_raw_7b_min", min(r["get_vs_raw"] for r in cluster), "x", 0.8, ">="))
+    emit(figures, targets, args.json, lines)
 
 
 def add_parser(sub) -> None:
@@ -294,5 +308,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5,
                    help="samples per size for moves of 128-512 MiB; smaller moves take up to 8x as many")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--cluster", action="store_true",
+                   help="also the cluster tier against a raw MooncakeDistributedStore (a mooncake_master of its own)")
+    p.add_argument("--cluster-tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

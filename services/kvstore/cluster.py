@@ -40,6 +40,7 @@ log = logs.get("kvstore.cluster")
 TRAILER = 8  # the checksum after each object's block bytes
 RPC_FAIL = -900  # Mooncake's code for a master that did not answer
 NOT_FOUND = -704  # Mooncake's code for a key it does not hold
+BATCH, BATCH_WAIT_S = 64, 0.002  # a put carries up to BATCH blocks, waiting this long between arrivals
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
 
 
@@ -184,9 +185,9 @@ class ClusterTier:
             if first is None:
                 return
             batch = [first]
-            while len(batch) < 64:
-                try:
-                    item = self._writes.get_nowait()
+            while len(batch) < BATCH:
+                try:  # (a spill is off every request's path: waiting a moment for a fuller batch is free)
+                    item = self._writes.get(timeout=BATCH_WAIT_S)
                 except queue.Empty:
                     break
                 if item is None:
