@@ -192,3 +192,37 @@ def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(mast
     finally:
         for t in tiers.values():
             t.close()
+
+
+def test_a_node_killed_takes_its_segment_with_it_and_readers_miss_never_read_wrong(shared_redis_url, key_prefix,
+                                                                                  master):
+    """A lends the cluster its memory (the only segment), B only uses it. A killed (SIGKILL):
+    B's reads of what lived in A's segment miss within the tier's timeout (in 26 ms when tried:
+    the peer refuses at once), and B's own tiers serve on; B holds no lease or pin afterwards."""
+    import signal
+
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    b = _store(shared_redis_url, key_prefix + "b", master, segment=0)
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        ca.put(5, [0, 1, 2, 3])
+        ca.put(5, [4, 5, 6, 7])  # 0-3 leave A's DRAM: into the cluster, in A's segment
+        wait_for(lambda: _cluster(ca).spilled == 4)
+        assert _get(cb, 5, [0, 1]) == (2, [True, True])  # there while A lives
+        a.signal(signal.SIGKILL)
+        a.proc.wait(10)
+        t0 = time.monotonic()
+        n, exact = _get(cb, 5, [2, 3])
+        assert time.monotonic() - t0 < 3.0  # the tier's timeout (1 s) bounds it
+        assert (n, exact) == (0, [])  # a miss (its memory went with it), not an error
+        c = _cluster(cb)
+        assert (c.fetched, c.corrupt) == (2, 0) and c.fetch_misses + c.fetch_timeouts >= 1
+        assert _get(cb, 5, [0, 1]) == (2, [True, True])  # fetched before: B's own now
+        cb.put(6, [0, 1])
+        assert _get(cb, 6, [0, 1]) == (2, [True, True])
+        stats = cb.stats()
+        assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+    finally:
+        a.stop()
+        b.stop()
