@@ -159,8 +159,22 @@ def test_with_the_master_gone_the_local_tiers_serve_and_the_tier_comes_back(shar
 
 
 def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(master):
-    """Two tiers in this process, of two block sizes (two hash profiles), on one real master:
-    the same block hash is two keys; each reads back only its own bytes, the other misses."""
+    """Two tiers of two block sizes (two hash profiles) on one real master, in a process of their
+    own (a Mooncake client in the test process would outlive the test beside its transfer
+    engine): the same block hash is two keys; each reads back only its own bytes, the other misses."""
+    import subprocess
+    import sys
+
+    from tests.support.procs import ROOT
+
+    out = subprocess.run([sys.executable, "-c", "import sys; from tests.test_cluster_tier import _two_profiles; "
+                          "_two_profiles(sys.argv[1])", master.address], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("two profiles: ok")
+
+
+def _two_profiles(master_address: str) -> None:
     import asyncio
 
     from services.kvstore.cluster import ClusterConfig, ClusterTier
@@ -169,7 +183,7 @@ def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(mast
     tiers = {}
     for name, profile in (("16", PROFILE), ("8", small)):
         nbytes = profile.layout.block_nbytes
-        tiers[name] = ClusterTier(ClusterConfig(master.address, segment_bytes=SEGMENT if name == "16" else 0,
+        tiers[name] = ClusterTier(ClusterConfig(master_address, segment_bytes=SEGMENT if name == "16" else 0,
                                                 buffer_bytes=8 * (nbytes + TRAILER), timeout_s=2.0),
                                   root_hash(profile), nbytes)
     try:
@@ -189,6 +203,7 @@ def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(mast
         assert asyncio.run(fetch(tiers["8"])) == []  # the other profile's key: not there
         assert tiers["8"].counters.fetch_misses == 1
         assert asyncio.run(fetch(tiers["16"])) == [(h, True)]
+        print("two profiles: ok", flush=True)
     finally:
         for t in tiers.values():
             t.close()
