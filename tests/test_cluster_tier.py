@@ -21,7 +21,7 @@ from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import MooncakeMaster
 from services.kvstore.cluster import TRAILER, object_key
 from tests.kv_peer import PROFILE, block_data, block_hash
-from tests.kvstore_support import BLOCK, LocalClient, start_store, wait_for
+from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, wait_for
 
 SEGMENT = 16 << 20  # Mooncake's least
 
@@ -221,8 +221,10 @@ def test_a_node_killed_takes_its_segment_with_it_and_readers_miss_never_read_wro
     try:
         ca, cb = LocalClient(a.address), LocalClient(b.address)
         wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
-        ca.put(5, [0, 1, 2, 3])
-        ca.put(5, [4, 5, 6, 7])  # 0-3 leave A's DRAM: into the cluster, in A's segment
+        # A is written by a peer process: this one's transfer engine must hold no session to a
+        # process that is then killed (its port may be another store's later).
+        peer("put", a.address, "--seed", "5", "--start", "0", "--n", "4")
+        peer("put", a.address, "--seed", "5", "--start", "4", "--n", "4")  # 0-3 leave A's DRAM for A's segment
         wait_for(lambda: _cluster(ca).spilled == 4)
         assert _get(cb, 5, [0, 1]) == (2, [True, True])  # there while A lives
         a.signal(signal.SIGKILL)
