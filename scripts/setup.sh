@@ -14,6 +14,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
 apt_missing=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_missing+=(libibverbs1)  # Mooncake Transfer Engine
 command -v redis-server >/dev/null || apt_missing+=(redis-server)  # tests and `pdserve up` start their own
+command -v redis-cli >/dev/null || apt_missing+=(redis-tools)  # the Redis Cluster test joins its nodes with it
 command -v setpriv >/dev/null || apt_missing+=(util-linux)  # children die with their launcher (pdserve.runtime.launch)
 # The CPU kernels (decode attention, norms) are C, built on first use: a compiler and libc headers.
 { command -v cc || command -v gcc; } >/dev/null || apt_missing+=(gcc)

@@ -10,6 +10,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from pdserve.cluster import connect
 from pdserve.cluster.index_events import EventWriter, IndexEvent, worker_owner
 from pdserve.cluster.index_mirror import IndexMirror, leading_runs
 from pdserve.cluster.keys import RedisKeys
@@ -31,13 +32,13 @@ def _registration(url: str, keys: RedisKeys, worker: str, cached: list[bytes], i
 
 
 async def _mirror(url: str, keys: RedisKeys) -> IndexMirror:
-    mirror = IndexMirror(aioredis.Redis.from_url(url), keys)
+    mirror = IndexMirror(connect(url, 2.0), keys)
     await mirror.sync()
     return mirror
 
 
 def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_lookup(shared_redis_url, key_prefix):
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     chain = _chain(1, 40)
 
     async def scenario():
@@ -46,7 +47,7 @@ def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_loo
         b = _registration(shared_redis_url, keys, "b", b_cached)
         store_contents: list[tuple[bytes, str]] = []
         store = RedisIndex(shared_redis_url, keys, lambda: list(store_contents))
-        lua_client = aioredis.Redis.from_url(shared_redis_url)
+        lua_client = connect(shared_redis_url, 2.0)
         lua = PrefixIndex(lua_client, keys)
         mirror = await _mirror(shared_redis_url, keys)  # before anything is written
         try:
@@ -111,11 +112,11 @@ def test_mirror_follows_workers_and_the_store_exactly_and_answers_as_the_lua_loo
 
 
 def test_a_gap_in_an_owners_events_makes_the_mirror_reread_its_key(shared_redis_url, key_prefix):
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     chain = _chain(3, 6)
 
     async def scenario():
-        r = aioredis.Redis.from_url(shared_redis_url)
+        r = connect(shared_redis_url, 2.0)
         writer = EventWriter(keys, worker_owner("w"))
         mirror = await _mirror(shared_redis_url, keys)
         try:
@@ -202,7 +203,7 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
     """Two store nodes' RedisIndex writers (each its own key) and their cluster-index changes
     (one shared SET, written from the cluster tier's threads): the mirror holds exactly what Redis
     holds, and answers every chain as the Lua look-up does."""
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     chain = _chain(3, 40)
 
     async def scenario():
@@ -211,7 +212,7 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
         node_a = RedisIndex(shared_redis_url, keys, lambda: list(a_held), node="A")
         node_b = RedisIndex(shared_redis_url, keys, lambda: list(b_held), node="B")
         w = _registration(shared_redis_url, keys, "w", list(chain[:8]))
-        lua_client = aioredis.Redis.from_url(shared_redis_url)
+        lua_client = connect(shared_redis_url, 2.0)
         lua = PrefixIndex(lua_client, keys)
         mirror = await _mirror(shared_redis_url, keys)
         nodes = {"w": "A", "v": "B"}
@@ -260,12 +261,12 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
     """A flush's changes go to Redis as one string per tier, unpacked by a script there: the
     index and the change event must come out as the plain HSET/HDEL would have left them,
     across the script's 2,000-key chunks."""
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     held = _chain(7, 4500)
 
     async def go():
         index = RedisIndex(shared_redis_url, keys, lambda: [])
-        r = aioredis.Redis.from_url(shared_redis_url)
+        r = connect(shared_redis_url, 2.0)
         try:
             await index.flush()  # the first flush rebuilds (empty) and resets
             index.committed(held[:2500], ["device"] * 2500)
@@ -296,12 +297,12 @@ def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_r
 def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_told(shared_redis_url, key_prefix):
     """A commit hands the index its keys and tiers, read at the flush; a move or drop told after it
     wins, and a block committed again after its drop is indexed again."""
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     a, b, c, d = _chain(8, 4)
 
     async def go():
         index = RedisIndex(shared_redis_url, keys, lambda: [])
-        r = aioredis.Redis.from_url(shared_redis_url)
+        r = connect(shared_redis_url, 2.0)
         try:
             await index.flush()
             index.committed([a, b, c], ["device"] * 3)
@@ -324,12 +325,12 @@ def test_the_store_index_writes_each_blocks_latest_change_in_the_order_it_was_to
 def test_the_store_index_is_rebuilt_when_its_key_vanishes_while_redis_stays_up(shared_redis_url, key_prefix):
     """A flushed or deleted index (no connection error to tell of it) is noticed by the next flush
     and written whole by the one after; the stream and the index both carry a TTL."""
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     held = _chain(9, 3)
 
     async def go():
         index = RedisIndex(shared_redis_url, keys, lambda: [(h, "device") for h in held])
-        r = aioredis.Redis.from_url(shared_redis_url)
+        r = connect(shared_redis_url, 2.0)
         try:
             await index.flush()
             assert len(await r.hkeys(keys.store_index())) == 3

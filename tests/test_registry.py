@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import redis
-
+from pdserve.cluster import connect_sync
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.registry import Registration
 from pdserve.kv.layout import HashProfile, KVLayout
@@ -19,11 +18,11 @@ def h(i: int) -> bytes:
 
 
 def test_cache_index_published_as_deltas_and_repaired(shared_redis_url, key_prefix):
-    keys = RedisKeys(key_prefix)
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
     cache = {h(i) for i in range(1000)}
     reg = Registration(shared_redis_url, keys, "p0", "prefill", "127.0.0.1:1", PROFILE,
                        load=lambda: {"queued_tokens": 0}, cached_hashes=lambda: list(cache))
-    sync = redis.Redis.from_url(shared_redis_url)
+    sync = connect_sync(shared_redis_url, 2.0)
     index = keys.worker_index("p0")
 
     def published() -> set[bytes]:

@@ -6,10 +6,12 @@ import asyncio
 import time
 
 import pytest
-import redis
 
 from pdserve import errors
 from pdserve.client import AsyncClient, Client, Result
+from pdserve.cluster import connect, connect_sync
+from pdserve.cluster.cleanup import prefix_keys
+from pdserve.cluster.keys import RedisKeys
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -78,8 +80,8 @@ def test_shared_prefix_goes_to_the_worker_holding_it(stack, engine):
     rates = {h.scope: h for h in status.hit_rates}
     old_hit, old_lookup = before.get(worker, (0, 0))
     assert (rates[worker].hit_tokens - old_hit, rates[worker].lookup_tokens - old_lookup) == (640, 1540)
-    r = redis.Redis.from_url(stack.redis_url)
-    keys = r.keys(f"{stack.key_prefix}:hits:{worker}:*")
+    r = connect_sync(stack.redis_url, 2.0)
+    keys = [k for k in prefix_keys(stack.redis_url, stack.key_prefix) if f":hits:{worker}:" in k]
     assert len(keys) >= 1 and all(0 < r.ttl(k) <= 3600 for k in keys)
 
 
@@ -111,10 +113,11 @@ def test_a_new_router_routes_by_the_mirrored_index_as_by_redis(stack):
 
 
 async def _worker_ids(stack):
-    r = redis.asyncio.Redis.from_url(stack.redis_url)
+    r = connect(stack.redis_url, 2.0)
+    keys = RedisKeys.for_url(stack.redis_url, stack.key_prefix)
     out = []
-    for wid in await r.zrange(f"{stack.key_prefix}:workers", 0, -1):
-        addr = await r.hget(f"{stack.key_prefix}:worker:{wid.decode()}", "address")
+    for wid in await r.zrange(keys.workers(), 0, -1):
+        addr = await r.hget(keys.worker(wid.decode()), "address")
         out.append((wid.decode(), addr.decode()))
     await r.aclose()
     return out

@@ -1,15 +1,52 @@
 """Everything Redis: keys, the worker registry, index events, the prefix index and its mirror,
-the store's index. No other package imports redis; services reach Redis through these."""
+the store's index. No other package imports redis; services reach Redis through these.
+
+A URL `redis+cluster://host:port` (or `rediss+cluster://`) names a Redis Cluster by one of its
+nodes; every other URL names one server. Both are used the same way: one deployment's keys share
+a hash tag on a cluster (pdserve.cluster.keys), so its scripts and transactions run on one shard.
+"""
 
 from __future__ import annotations
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-Redis = aioredis.Redis
+Redis = aioredis.Redis | aioredis.RedisCluster
 REDIS_DOWN = (RedisError, OSError)  # what a call raises when Redis cannot be reached
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster(url: str) -> bool:
+    return url.partition("://")[0] in CLUSTER_SCHEMES
+
+
+def _node_url(url: str) -> str:
+    """A cluster URL as redis-py spells one node's."""
+    scheme, sep, rest = url.partition("://")
+    return CLUSTER_SCHEMES[scheme] + sep + rest
 
 
 def connect(url: str, timeout_s: float) -> Redis:
     """A client for `url` whose every call gives up after `timeout_s` (connecting too)."""
-    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 0.5))
+    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 0.5)}
+    if is_cluster(url):
+        return aioredis.RedisCluster.from_url(_node_url(url), **opts)
+    return aioredis.Redis.from_url(url, **opts)
+
+
+def connect_sync(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
+    """The blocking client for `url` (for what runs outside an event loop: cleanup, tools)."""
+    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 0.5)}
+    if is_cluster(url):
+        return redis.RedisCluster.from_url(_node_url(url), **opts)
+    return redis.Redis.from_url(url, **opts)
+
+
+async def transaction(client: Redis):
+    """A MULTI/EXEC pipeline. All its keys must share one hash slot on a cluster (a deployment's
+    keys do). A cluster client learns its slot map first, on this loop: redis-py queues each
+    command of a cluster transaction through a loop of its own, which must find the map known."""
+    if isinstance(client, aioredis.RedisCluster):
+        await client.initialize()
+    return client.pipeline(transaction=True)

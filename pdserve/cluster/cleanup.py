@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 import time
 
-import redis
+from pdserve.cluster import connect_sync
+from pdserve.cluster.keys import RedisKeys
 
 SCAN_COUNT = 500
 
@@ -22,7 +23,8 @@ def _pattern(prefix: str) -> str:
 
 def prefix_keys(url: str, prefix: str, timeout_s: float = 5.0) -> list[str]:
     """Every key under `prefix`, within `timeout_s` (raises TimeoutError past it)."""
-    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = connect_sync(url, 1.0)
+    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
     deadline = time.monotonic() + timeout_s
     try:
         out = []
@@ -38,18 +40,22 @@ def prefix_keys(url: str, prefix: str, timeout_s: float = 5.0) -> list[str]:
 def delete_prefix(url: str, prefix: str, timeout_s: float = 5.0) -> int:
     """Deletes every key under `prefix` (UNLINK, in SCAN-sized batches); returns how many. Stops
     at `timeout_s`, raising TimeoutError, or on what Redis raises when it cannot be reached."""
-    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = connect_sync(url, 1.0)
+    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
     deadline = time.monotonic() + timeout_s
     deleted = 0
+    batch: list[bytes] = []
     try:
-        cursor = 0
-        while True:
-            cursor, keys = client.scan(cursor, match=_pattern(prefix), count=SCAN_COUNT)
-            if keys:
-                deleted += client.unlink(*keys)
-            if cursor == 0:
-                return deleted
+        # (One slot on a cluster, so one UNLINK may take many: scan_iter walks every shard.)
+        for key in client.scan_iter(match=_pattern(prefix), count=SCAN_COUNT):
+            batch.append(key)
+            if len(batch) >= SCAN_COUNT:
+                deleted += client.unlink(*batch)
+                batch = []
             if time.monotonic() > deadline:
                 raise TimeoutError(f"deleting the keys under {prefix!r} took over {timeout_s}s")
+        if batch:
+            deleted += client.unlink(*batch)
+        return deleted
     finally:
         client.close()

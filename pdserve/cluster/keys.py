@@ -25,6 +25,20 @@ def window_start(now: float | None = None) -> int:
 class RedisKeys:
     prefix: str = "pdserve"
 
+    @classmethod
+    def for_url(cls, url: str, prefix: str) -> RedisKeys:
+        """On a Redis Cluster the prefix becomes a hash tag ("{pdserve}:..."): every key of one
+        deployment lands in one slot, which its scripts (the look-up reads every index at once)
+        and transactions (an index change and its event) need. One shard then carries one
+        deployment, which is far from a limit: routers read a mirror, not Redis, per request;
+        each worker writes once a second and each store node twenty times, so a deployment of a
+        hundred workers sends Redis a few hundred small writes a second (one shard serves ~100k),
+        and its keys are capped (CLUSTER_INDEX_MAX, pages per worker). Deployments under other
+        prefixes spread over the shards; the cluster buys them failover and room."""
+        from pdserve.cluster import is_cluster
+
+        return cls("{" + prefix + "}" if is_cluster(url) else prefix)
+
     def store_index(self, node: str = "local") -> str:
         """HASH block-hash hex -> tier ("device" | "dram"); one store node's local contents
         (capped by its slots; TTL INDEX_TTL_S, refreshed by each flush)."""

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster import connect, transaction
 from pdserve.cluster.index_events import EventWriter, worker_owner
 from pdserve.cluster.keys import HEARTBEAT_TTLS, WORKERS_TTL_S, RedisKeys
 from pdserve.kv.layout import HashProfile
@@ -65,7 +66,7 @@ class Registration:
     def __init__(self, url: str, keys: RedisKeys, worker_id: str, role: str, address: str, profile: HashProfile,
                  load: Callable[[], dict], cached_hashes: Callable[[], list[bytes]] | None = None,
                  interval_s: float = 1.0, service_token: str = "", store_node: str = "local"):
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = connect(url, 1.0)
         self.keys = keys
         self.worker_id = worker_id
         self.fields = {"role": role, "address": address, "profile": profile_json(profile), "store_node": store_node}
@@ -94,7 +95,7 @@ class Registration:
         read as "gone now" (a record that is merely missing gets a grace: Redis may have lost it)."""
         await cancel_and_wait(self._task)
         try:
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = await transaction(self.redis)
             key = self.keys.worker(self.worker_id)
             pipe.delete(key, self.keys.worker_index(self.worker_id))
             pipe.hset(key, mapping={"left": str(time.time())})
@@ -109,7 +110,7 @@ class Registration:
         ttl_ms = self.ttl_ms
         now = time.time()
         # One transaction: a reader never sees the cache index half rewritten.
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         key = self.keys.worker(self.worker_id)
         pipe.delete(key)  # (a tombstone an earlier run of this worker id left)
         pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster import connect, transaction
 from pdserve.cluster.index_events import EventWriter, cluster_owner, store_owner
 from pdserve.cluster.keys import CLUSTER_INDEX_MAX, INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
 from pdserve.kv.hashing import HASH_BYTES
@@ -86,7 +87,7 @@ class RedisIndex:
 
     def __init__(self, url: str, keys: RedisKeys, snapshot: Callable[[], list[tuple[bytes, str]]],
                  interval_s: float = 0.05, node: str = "local"):
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = connect(url, 1.0)
         self.keys = keys
         self.snapshot = snapshot
         self.interval_s = interval_s
@@ -103,10 +104,8 @@ class RedisIndex:
         self._warned = False
         self.node = node
         self._events = EventWriter(keys, store_owner(node))
-        self._apply = self.redis.register_script(APPLY_CHANGES)
         self._cluster_log: deque[tuple[bytes, bool]] = deque()  # (hash, held): appended by the tier's threads
         self._cluster_events = EventWriter(keys, cluster_owner(node))
-        self._apply_cluster = self.redis.register_script(APPLY_CLUSTER)
 
     # IndexSink: called on the event loop, never blocks.
     def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
@@ -143,12 +142,12 @@ class RedisIndex:
             pending[h] = held
         return pending
 
-    async def _queue_cluster(self, pipe, pending: dict[bytes, bool]) -> None:
+    def _queue_cluster(self, pipe, pending: dict[bytes, bool]) -> None:
         held = [h for h, v in pending.items() if v and len(h) == HASH_BYTES]
         gone = [h for h, v in pending.items() if not v and len(h) == HASH_BYTES]
         index = self.keys.cluster_index()
         args = [a for flag, ks in (("1", held), ("0", gone)) if ks for a in (flag, b"".join(ks).hex())]
-        await self._apply_cluster(keys=[index], args=[*args, CLUSTER_INDEX_MAX], client=pipe)  # queued
+        pipe.eval(APPLY_CLUSTER, 1, index, *args, CLUSTER_INDEX_MAX)
         self._cluster_events.queue(pipe, added=held, removed=gone)
         pipe.expire(index, INDEX_TTL_S)
 
@@ -183,7 +182,7 @@ class RedisIndex:
                 self._rebuild = True
             await asyncio.sleep(self.interval_s)
 
-    async def _queue_changes(self, pipe, index: str, changes) -> dict[str, list[bytes]]:
+    def _queue_changes(self, pipe, index: str, changes) -> dict[str, list[bytes]]:
         """Queue (key, tier or None for dropped) changes on `pipe` as one script call; returns
         the keys by tier ("" for dropped)."""
         by_tier: dict[str, list[bytes]] = {}
@@ -192,29 +191,31 @@ class RedisIndex:
                 by_tier.setdefault(tier or "", []).append(key)
         if by_tier:
             args = [a for tier, ks in by_tier.items() for a in (tier, b"".join(ks).hex())]
-            await self._apply(keys=[index], args=args, client=pipe)  # queued: runs with the rest
+            # EVAL, not EVALSHA: in a transaction a script Redis lost (restart, failover) would fail
+            # the whole flush; the body is 1 KB, and Redis caches it compiled.
+            pipe.eval(APPLY_CHANGES, 1, index, *args)
         return by_tier
 
     async def flush(self) -> None:
         index = self.keys.store_index(self.node)
         # A transaction: the index and its change event land together (see index_events).
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.exists(index)
         if self._rebuild:
             pending, self._log = {}, []
             pipe.delete(index)
-            await self._queue_changes(pipe, index, self.snapshot())
+            self._queue_changes(pipe, index, self.snapshot())
             self._events.queue(pipe, reset=True)
         else:
             pending = self._take_pending()
             if pending:
-                by_tier = await self._queue_changes(pipe, index, pending.items())
+                by_tier = self._queue_changes(pipe, index, pending.items())
                 self._events.queue(pipe, added=[k for tier, ks in by_tier.items() if tier for k in ks],
                                    removed=by_tier.get("", []))
         pipe.expire(index, INDEX_TTL_S)
         cluster = self._take_cluster()
         if cluster:
-            await self._queue_cluster(pipe, cluster)
+            self._queue_cluster(pipe, cluster)
         hits, misses = self._hits, self._misses
         if hits or misses:
             window = self.keys.hits("store", window_start())

@@ -56,14 +56,16 @@ def redis_reachable(url: str = "redis://127.0.0.1:6379/0") -> bool:
 class RedisServer:
     """A redis-server of our own on a free port; stopped by its pid, never anyone else's."""
 
-    def __init__(self, port: int | None = None, password: str = "") -> None:
-        """`password`: require it (AUTH); given on redis-server's stdin, never on its command line."""
+    def __init__(self, port: int | None = None, password: str = "", config: dict[str, str] | None = None) -> None:
+        """`password`: require it (AUTH); given on redis-server's stdin, never on its command line.
+        `config`: more redis.conf directives (e.g. a cluster node's)."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
         self.exe = exe
         self.port = port or free_port()
         self.password = password
+        self.config = config or {}
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -74,7 +76,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         # redis-server reads a config from stdin when given "-" (so `ps` never shows the password).
         config = "".join(f"{k} {v}\n" for k, v in (("port", self.port), ("bind", "127.0.0.1"), ("save", '""'),
-                                                   ("appendonly", "no")))
+                                                   ("appendonly", "no"), *self.config.items()))
         if self.password:
             config += f"requirepass {self.password}\n"
         self.proc = subprocess.Popen(

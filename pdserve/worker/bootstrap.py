@@ -41,7 +41,8 @@ class Worker:
     def registration(self, address: str) -> Registration:
         worker_id = self.cfg.worker_id or f"{self.role.value}-{address}"
         engine = self.engine.engine
-        return Registration(self.cfg.redis_url, RedisKeys(self.cfg.key_prefix), worker_id, self.role.value,
+        keys = RedisKeys.for_url(self.cfg.redis_url, self.cfg.key_prefix)
+        return Registration(self.cfg.redis_url, keys, worker_id, self.role.value,
                             address, self.profile, lambda: self.engine.load,
                             lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s,
                             service_token=auth.current().service_token, store_node=self.store_node)

@@ -66,7 +66,8 @@ async def main() -> None:
     store = BlockStore(device, dram, default_lease_s=cfg.lease_ms / 1000, fence_s=cfg.fence_ms / 1000,
                        max_lease_s=cfg.max_lease_ms / 1000, max_leases_per_client=cfg.max_leases_per_client,
                        below=cluster.spill if cluster is not None else None)
-    index = RedisIndex(cfg.redis_url, RedisKeys(cfg.key_prefix), store.committed_blocks, node=cfg.node)
+    keys = RedisKeys.for_url(cfg.redis_url, cfg.key_prefix)
+    index = RedisIndex(cfg.redis_url, keys, store.committed_blocks, node=cfg.node)
     store.index = index
     if cluster is not None:
         cluster.index = index

@@ -34,7 +34,7 @@ async def main() -> None:
     model = describe(cfg.model, parse_dtype(cfg.dtype))  # (no weights: config, tokenizer, fingerprint)
     profile = served_profile(model, cfg.block_size, mock=cfg.engine == "mock")
     redis = connect(cfg.redis_url, 0.5)
-    keys = RedisKeys(cfg.key_prefix)
+    keys = RedisKeys.for_url(cfg.redis_url, cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s, auth.current().service_token)
     metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
     mirror = IndexMirror(connect(cfg.redis_url, 2.0),
