@@ -51,7 +51,7 @@ async def main() -> None:
     # INVALID_ARGUMENT from validation instead of the transport's bare RESOURCE_EXHAUSTED.
     handle = await build_server("router", register, cfg.host, cfg.port, cfg.grace_s,
                                 max_message_bytes=4 * cfg.max_prompt_bytes + (1 << 20),
-                                max_request_bytes=router.encoder.max_request_bytes, client_facing=True)
+                                max_request_bytes=router.limits.encoder.max_request_bytes, client_facing=True)
     stopped = handle.install_signal_handlers()
     await pool.refresh()
     pool.start()
@@ -74,7 +74,7 @@ async def main() -> None:
     await stopped.wait()
     if http is not None:
         await http.stop()
-    router.encoder.close()
+    router.limits.encoder.close()
     try:
         await asyncio.wait_for(pool.stop(), timeout=2.0)
         if mirror is not None:

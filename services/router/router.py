@@ -17,7 +17,7 @@ from pdserve.cluster import REDIS_DOWN, Redis
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.prefix_index import PrefixHits, PrefixIndex
 from pdserve.engine.sampling import SamplingParams
-from pdserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, status_for
+from pdserve.errors import AlreadyExists, ResourceExhausted, status_for
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
@@ -27,9 +27,9 @@ from pdserve.v1 import common_pb2, decode_pb2
 from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
 from services.router.config import RouterConfig
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
+from services.router.limits import RequestLimits
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, PrefillCost, over_slo
-from services.router.prompt_encoder import PromptEncoder
 from services.router.recent import RecentRoutes
 from services.router.route_types import RETRY_ON, Route, Summary, TokenOut, log_request
 from services.router.stop_strings import StopStrings
@@ -49,12 +49,9 @@ class Router:
         self.tokenizer = tokenizer
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
-        self.max_prompt = cfg.max_prompt_tokens or max_model_len
-        self.encoder = PromptEncoder(tokenizer, self.max_prompt, cfg.max_prompt_bytes)
+        self.limits = RequestLimits(cfg, tokenizer, max_model_len, vocab_size)
         self.active: set[str] = set()  # request ids in flight here (a duplicate is refused)
         self.admission = AdmissionQueue(cfg.max_queued, cfg.queue_timeout_s, metrics)
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
         self.index = PrefixIndex(redis, pool.keys)
         self.mirror = mirror  # the index in memory, when kept; Redis is asked while it is not live
         self.pool = pool
@@ -62,31 +59,6 @@ class Router:
         self.coef = Coefficients()
         self.recent = RecentRoutes(ttl_s=3.0)
         self.metrics = metrics
-
-    # -- validation (never touches a worker) -----------------------------------------------
-    async def prompt_ids(self, text: str | None, token_ids: list[int] | None,
-                         add_special_tokens: bool = True) -> list[int]:
-        if text is not None:
-            ids = await self.encoder.encode(text, add_special_tokens)
-        else:
-            ids = list(token_ids or [])
-        if not ids:
-            raise InvalidArgument("prompt is empty: give text or at least one token id")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(ids) > self.max_prompt:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; this deployment accepts at most {self.max_prompt}")
-        return ids
-
-    def sampling(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
-        if params.max_tokens > self.cfg.max_tokens_cap:
-            raise InvalidArgument(f"max_tokens {params.max_tokens} is over this deployment's cap "
-                                  f"{self.cfg.max_tokens_cap}")
-        if prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidArgument(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                  f"context length {self.max_model_len}")
-        return params
 
     # -- routing ---------------------------------------------------------------------------
     async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,

@@ -20,7 +20,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt is empty: give text or token_ids")
-        ids = await self.router.prompt_ids(request.text if which == "text" else None,  # (read once: a copy)
+        ids = await self.router.limits.prompt_ids(request.text if which == "text" else None,  # (read once: a copy)
                                      list(request.token_ids.ids) if which == "token_ids" else None)
         if not request.HasField("sampling") or request.sampling.max_tokens == 0:
             raise InvalidArgument("max_tokens must be >= 1")
@@ -28,7 +28,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params = sampling_from_pb(request.sampling)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
-        return ids, self.router.sampling(params, len(ids))
+        return ids, self.router.limits.sampling(params, len(ids))
 
     async def Generate(self, request, context):
         ids, params = await self._request(request)

@@ -36,7 +36,7 @@ class ClientGone(Exception):
 
 def build_app(router: Router, model_name: str, template: ChatTemplate | None, gauges=None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Accounting, metrics=router.metrics, max_body_bytes=router.encoder.max_request_bytes)
+    app.add_middleware(Accounting, metrics=router.metrics, max_body_bytes=router.limits.encoder.max_request_bytes)
     started = int(time.time())
     metrics = router.metrics
 
@@ -68,7 +68,7 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
         if (refused := _refusal(request)) is not None:
             return refused
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                             "owned_by": "pdserve", "max_model_len": router.max_model_len}]}
+                                             "owned_by": "pdserve", "max_model_len": router.limits.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -107,9 +107,9 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
     def _job(base_id: str, index: int, ids: list[int], opts: schema.Options) -> ChoiceJob:
         wanted = opts.max_tokens
         if wanted is None:  # chat without a limit: what the context leaves, up to the cap
-            wanted = max(1, min(router.cfg.max_tokens_cap, router.max_model_len - len(ids)))
+            wanted = max(1, min(router.cfg.max_tokens_cap, router.limits.max_model_len - len(ids)))
         seed = opts.params.seed + index % opts.n if opts.params.seed is not None else None
-        params = router.sampling(replace(opts.params, max_tokens=wanted, seed=seed), len(ids))
+        params = router.limits.sampling(replace(opts.params, max_tokens=wanted, seed=seed), len(ids))
         return ChoiceJob(index, f"{base_id}-{index}", ids, params, opts.stop)
 
     async def _completion_prompts(body: schema.CompletionBody) -> list[list[int]]:
@@ -118,8 +118,8 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
             p = [p]
         if not p:
             raise ApiError(400, "prompt is empty", param="prompt")
-        return [await router.prompt_ids(x, None) if isinstance(x, str) else await router.prompt_ids(None, x)
-                for x in p]
+        check = router.limits.prompt_ids
+        return [await check(x, None) if isinstance(x, str) else await check(None, x) for x in p]
 
     async def _chat_prompt(body: schema.ChatBody) -> list[list[int]]:
         if template is None:
@@ -130,7 +130,7 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
             text = template.render(schema.message_text(body.messages), add_generation_prompt=True)
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from e
-        return [await router.prompt_ids(text, None, add_special_tokens=False)]
+        return [await router.limits.prompt_ids(text, None, add_special_tokens=False)]
 
     return app
 

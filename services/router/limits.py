@@ -1,0 +1,45 @@
+"""A request's prompt and sampling checked against this deployment's limits, before any worker
+is touched: what the gRPC servicer and the HTTP API both call."""
+
+from __future__ import annotations
+
+from pdserve.engine.sampling import SamplingParams
+from pdserve.errors import InvalidArgument
+from pdserve.model.tokenizer import Tokenizer
+from services.router.config import RouterConfig
+from services.router.prompt_encoder import PromptEncoder
+
+
+class RequestLimits:
+    """The deployment's limits (read-only once built) and the prompt encoder."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, max_model_len: int, vocab_size: int):
+        self.max_model_len = max_model_len
+        self.max_tokens_cap = cfg.max_tokens_cap
+        self.vocab_size = vocab_size
+        self.max_prompt = cfg.max_prompt_tokens or max_model_len
+        self.encoder = PromptEncoder(tokenizer, self.max_prompt, cfg.max_prompt_bytes)
+
+    async def prompt_ids(self, text: str | None, token_ids: list[int] | None,
+                         add_special_tokens: bool = True) -> list[int]:
+        if text is not None:
+            ids = await self.encoder.encode(text, add_special_tokens)
+        else:
+            ids = list(token_ids or [])
+        if not ids:
+            raise InvalidArgument("prompt is empty: give text or at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) > self.max_prompt:
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; this deployment accepts at most {self.max_prompt}")
+        return ids
+
+    def sampling(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        if params.max_tokens > self.max_tokens_cap:
+            raise InvalidArgument(f"max_tokens {params.max_tokens} is over this deployment's cap "
+                                  f"{self.max_tokens_cap}")
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidArgument(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                  f"context length {self.max_model_len}")
+        return params
