@@ -157,3 +157,39 @@ def test_api_bench_reports_both_paths_and_its_targets():
                                                    "http_router_cpu_per_token_ratio"]
     assert doc["targets"][0]["value"] == pytest.approx(doc["http"]["ttft_ms_p50"] - doc["grpc"]["ttft_ms_p50"],
                                                        abs=1e-3)
+
+
+def test_two_store_nodes_isolated_and_shared_get_the_same_total_capacity():
+    from pdserve.bench.compare_bench import node_specs
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "compare", "--store-nodes", "2", "--prefill", "4", "--decode", "2",
+                                      "--store-cache-tokens", "4096", "--cluster-segment-tokens", "16384"])
+    (iso_name, iso), (shared_name, shared) = node_specs(args)
+    assert (iso_name, iso.store_nodes, iso.store_cache_tokens, iso.cluster_segment_tokens) == (
+        "isolated", 2, 4096 + 2 * 16384, 0)
+    assert (shared_name, shared.store_nodes, shared.store_cache_tokens, shared.cluster_segment_tokens) == (
+        "shared", 2, 4096, 16384)
+    assert (iso.policy, shared.policy, iso.prefill, shared.decode) == ("cache_aware", "cache_aware", 4, 2)
+
+
+def test_compare_on_two_store_nodes_runs_both_and_reports_against_the_pooled_bound(tmp_path):
+    """A short real run (mock engine, a real mooncake_master, 2 store nodes, Redis): both
+    topologies serve every request, and the target is the shared run's ratio to the bound."""
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "compare", "--workload", "shared-prefix",
+                          "--engine", "mock", "--prefill", "2", "--decode", "2", "--store-nodes", "2",
+                          "--max-requests", "12", "--max-output", "4", "--prefix-tokens", "512",
+                          "--worker-cache-tokens", "2048", "--store-cache-tokens", "4096",
+                          "--cluster-segment-tokens", "4096", "--out", str(tmp_path), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    runs = doc["runs"]
+    assert [r["topology"] for r in runs] == ["2 nodes, isolated", "2 nodes, shared"]
+    assert [(r["summary"]["ok"], r["summary"]["requests"]) for r in runs] == [(12, 12), (12, 12)]
+    assert runs[0]["cached_tokens_cluster"] == 0  # no cluster tier there
+    assert [r["ttft_coefficients"]["samples"] for r in runs] == [12, 12]  # every prefill observed by the router
+    assert doc["pooled_capacity_blocks"] == (2 * 2048 + 4096 + 2 * 4096) // 16
+    (target,) = [t for t in doc["targets"] if t["name"] == "shared_cluster_hit_vs_pooled_bound_2_nodes"]
+    assert target["value"] == pytest.approx(runs[1]["block_hit_ratio"] / doc["pooled_bound"], abs=1e-4)
+    assert "2 nodes, shared | cache_aware | 12/12" in (tmp_path / "compare.md").read_text()

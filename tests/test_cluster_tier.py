@@ -243,3 +243,37 @@ def test_a_node_killed_takes_its_segment_with_it_and_readers_miss_never_read_wro
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_full_cluster_drops_blocks_counted_and_never_stalls_a_put_or_a_get(shared_redis_url, key_prefix, master):
+    """One 16 MiB segment (about 250 of these blocks) offered 396: every put is answered, every
+    block that left DRAM is accounted for (written, refused or dropped), and what a reader gets
+    is the written bytes or a miss."""
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    b = _store(shared_redis_url, key_prefix + "b", master, segment=0)
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        seeds = range(100, 200)
+        for seed in seeds:
+            ca.put(seed, [0, 1, 2, 3])  # 4 blocks of room: each put sends the one before to the cluster
+        left = 4 * (len(seeds) - 1)
+
+        def accounted() -> int:
+            c = _cluster(ca)
+            return c.spilled + c.put_failures + c.spill_dropped
+
+        assert wait_for_value(accounted, left, 60), _cluster(ca)
+        read = 0
+        for seed in seeds[:-1]:
+            n, exact = _get(cb, seed, [0, 1, 2, 3])
+            assert exact == [True] * n, seed
+            read += n
+        assert read > 0  # the most recent ones at least
+        assert _cluster(cb).corrupt == 0 and _cluster(cb).fetched == read
+        for client in (ca, cb):
+            stats = client.stats()
+            assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+    finally:
+        a.stop()
+        b.stop()

@@ -211,6 +211,7 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
         b_held = [(h, "device") for h in chain[:4]]
         node_a = RedisIndex(shared_redis_url, keys, lambda: list(a_held), node="A")
         node_b = RedisIndex(shared_redis_url, keys, lambda: list(b_held), node="B")
+        node_a.cluster_capacity_blocks, node_b.cluster_capacity_blocks = 20, 0  # (B only uses the cluster)
         w = _registration(shared_redis_url, keys, "w", list(chain[:8]))
         lua_client = connect(shared_redis_url, 2.0)
         lua = PrefixIndex(lua_client, keys)
@@ -224,7 +225,7 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
             await node_b.flush()
             node_a.cluster_missing([chain[25]])  # a read missed: the hint goes
             await node_a.flush()
-            assert {bytes.fromhex(m.decode()) for m in await lua_client.smembers(keys.cluster_index())} == set(
+            assert {bytes.fromhex(m.decode()) for m in await lua_client.zrange(keys.cluster_index(), 0, -1)} == set(
                 chain[4:10] + chain[16:25] + chain[26:30])
             assert await lua_client.ttl(keys.cluster_index()) > 0
             await mirror.poll(0)
@@ -245,11 +246,24 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
             assert late.cluster_hashes() == mirror.cluster_hashes()
             assert late.store_hashes("A") == mirror.store_hashes("A")
             await late.stop()
+
+            # Past the segments' capacity (20 blocks) the oldest hints go, in Redis and in the
+            # mirror alike (the trim's removals travel in the event); a read refreshes a hint.
+            await asyncio.sleep(0.01)
+            node_b.cluster_stored([chain[16]])  # B read chain[16]: no longer among the oldest
+            await node_b.flush()
+            await asyncio.sleep(0.01)
+            node_a.cluster_stored(chain[30:36])  # 19 + 6 = 25 held: 5 must go
+            await node_a.flush()
+            want_held = set(chain[4:10] + chain[16:17] + chain[22:25] + chain[26:36])  # A's first, 17-21, oldest
+            assert {bytes.fromhex(m.decode()) for m in await lua_client.zrange(keys.cluster_index(), 0, -1)} == (
+                want_held)
+            assert await mirror.poll(0) == 2 and mirror.cluster_hashes() == frozenset(want_held)
         finally:
             await mirror.stop()
             await w.stop()
             await lua_client.delete(keys.store_index("A"), keys.store_index("B"), keys.cluster_index(),
-                                    keys.index_events())
+                                    keys.cluster_capacity(), keys.index_events())
             for n in (node_a, node_b):
                 await n.redis.aclose()
             await lua_client.aclose()

@@ -65,6 +65,8 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
                                                  not args.json))
             if rate and rates:
                 sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
+        gauges = dep.router_gauges()
+        stores = dep.store_stats()
     finally:
         dep.stop()
     summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
@@ -73,7 +75,10 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
             "decode": spec.decode, "summary": summary, "block_hit_ratio": block_hit_ratio(records, spec.block_size),
             "hit_breakdown": hit_breakdown(records, spec.block_size),
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
-            "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None}
+            "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None,
+            "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores,
+            "ttft_coefficients": {k.removeprefix("router_ttft_"): v for k, v in gauges.items()
+                                  if k.startswith("router_ttft_")}}
 
 
 def _spread(records) -> dict[str, int]:
@@ -92,7 +97,8 @@ def markdown(doc: dict) -> str:
              "route p99 ms | SLO attainment |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["runs"]:
         s = r["summary"]
-        lines.append(f"| {r['mode']} | {r['policy']} | {s['ok']}/{s['requests']} | {s['ttft_ms']['p50']:.0f} / "
+        lines.append(f"| {r.get('topology', r['mode'])} | {r['policy']} | {s['ok']}/{s['requests']} | "
+                     f"{s['ttft_ms']['p50']:.0f} / "
                      f"{s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p99']:.1f} | "
                      f"{s['itl_ms']['p99']:.1f} | {r['block_hit_ratio']:.1%} ({r['hit_breakdown']['expected']:.1%} / "
                      f"{r['hit_breakdown']['best']:.1%}) | {r['route_ms']['p99']:.2f} | "
@@ -101,6 +107,15 @@ def markdown(doc: dict) -> str:
         if r["sweep"]:
             pts = ", ".join(f"{rate:g}/s: {a:.0%}" for rate, a in sorted(r["sweep"].items()))
             lines.append(f"\n{r['mode']} {r['policy']}: SLO attainment {pts}; goodput {r['goodput_rps']:g} req/s")
+    for r in doc["runs"]:
+        c = r.get("ttft_coefficients") or {}
+        fitted = ", ".join(f"{name} {c[name]:.4g}" for name in ("request_ms", "prefill_ms_per_token",
+                                                                  "fetch_ms_per_token", "cluster_ms_per_token")
+                           if name in c)
+        if fitted:
+            lines.append(f"\n{r.get('topology', r['mode'])} {r['policy']}: the router's TTFT fit over "
+                         f"{c['samples']:.0f} prefills: {fitted}; {r['cached_tokens_cluster']} tokens from the "
+                         "cluster tier")
     if "pooled_bound" in doc:
         lines.append(f"\nPooled-cache bound (one LRU of {doc['pooled_capacity_blocks']} blocks, same order): "
                      f"{doc['pooled_bound']:.1%} of blocks")
@@ -127,27 +142,51 @@ def _policy_targets(by: dict) -> list[Target]:
     return out
 
 
+def _spec(args, mode: str, policy: str, **over) -> DeploySpec:
+    over = {"store_cache_tokens": args.store_cache_tokens, **over}
+    return DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
+                      worker_cache_tokens=args.worker_cache_tokens, decode_kv_tokens=args.decode_kv_tokens,
+                      threads=args.threads, pin=args.pin,
+                      extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
+                                          if mode == "disagg" else ()) + (
+                          ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()),
+                      extra_worker_flags=("--offload-blocks", str(args.offload_blocks)), **over)
+
+
+def node_specs(args) -> list[tuple[str, DeploySpec]]:
+    """--store-nodes N: the same total capacity twice, cache_aware: N isolated nodes (each node's
+    share of the cluster segments as more DRAM of its own) and N nodes sharing the cluster tier."""
+    n, seg = args.store_nodes, args.cluster_segment_tokens
+    policy = args.policies.split(",")[0]
+    return [("isolated", _spec(args, "disagg", policy, store_nodes=n, store_cache_tokens=args.store_cache_tokens
+                               + n * seg)),
+            ("shared", _spec(args, "disagg", policy, store_nodes=n, cluster_segment_tokens=seg))]
+
+
 def run(args: argparse.Namespace) -> None:
     reqs = build_workload(args)
     runs = []
-    for mode in args.modes.split(","):
-        for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
-            spec = DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
-                              worker_cache_tokens=args.worker_cache_tokens, store_cache_tokens=args.store_cache_tokens,
-                              decode_kv_tokens=args.decode_kv_tokens,
-                              threads=args.threads, pin=args.pin,
-                              extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
-                                                  if mode == "disagg" else ()) + (
-                                  ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()),
-                              extra_worker_flags=("--offload-blocks", str(args.offload_blocks)))
-            runs.append(run_config(spec, reqs, args))
-    capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens) // 16
+    if args.store_nodes > 1:
+        for topology, spec in node_specs(args):
+            runs.append({**run_config(spec, reqs, args), "topology": f"{args.store_nodes} nodes, {topology}"})
+    else:
+        for mode in args.modes.split(","):
+            for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
+                runs.append(run_config(_spec(args, mode, policy), reqs, args))
+    capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens
+                + (args.store_nodes * args.cluster_segment_tokens if args.store_nodes > 1 else 0)) // 16
     doc = {"workload": args.workload, "machine": machine(), "runs": runs,
            "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
            "pooled_capacity_blocks": capacity, "pooled_bound": pooled_bound(reqs, capacity, 16)}
     targets = []
     by = {(r["mode"], r["policy"]): r for r in runs}
-    if ("disagg", "cache_aware") in by and doc["pooled_bound"] > 0:
+    if args.store_nodes > 1:
+        if doc["pooled_bound"] > 0:
+            shared = runs[1]["block_hit_ratio"] / doc["pooled_bound"]
+            doc["isolated_vs_pooled_bound"] = runs[0]["block_hit_ratio"] / doc["pooled_bound"]
+            targets.append(Target(f"shared_cluster_hit_vs_pooled_bound_{args.store_nodes}_nodes", shared, "x", 0.95,
+                                  ">="))
+    elif ("disagg", "cache_aware") in by and doc["pooled_bound"] > 0:
         targets.append(Target(f"cache_aware_hit_vs_pooled_bound_{args.prefill}p",
                               by[("disagg", "cache_aware")]["block_hit_ratio"] / doc["pooled_bound"], "x", 0.9, ">="))
     goodputs = {r["mode"]: r["goodput_rps"] for r in runs if r["goodput_rps"] is not None}
@@ -188,6 +227,10 @@ def add_parser(sub) -> None:
                    help="workers on CPUs of their own: disagg, P pool and D pool apart; colocated, one CPU each")
     p.add_argument("--router-ttft-slo-ms", type=float, default=0.0,
                    help="the router refuses at once what its TTFT estimate says would take longer (0: never)")
+    p.add_argument("--store-nodes", type=int, default=1,
+                   help="N > 1: N store nodes, isolated and then sharing a Mooncake cluster tier (same total capacity)")
+    p.add_argument("--cluster-segment-tokens", type=int, default=16384,
+                   help="--store-nodes: each node's segment of the cluster tier, in tokens (isolated: as more DRAM)")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
+from pdserve.runtime.launch import MooncakeMaster, RedisServer, ServiceProcess, free_port, redis_reachable
 
 
 @dataclass
@@ -29,6 +29,11 @@ class DeploySpec:
     pin: bool = False
     extra_router_flags: tuple[str, ...] = ()
     extra_worker_flags: tuple[str, ...] = ()
+    # Store nodes (node-0 ...), store_cache_tokens split evenly over them; workers spread over them
+    # in turn. With cluster_segment_tokens, a mooncake_master and a cluster tier below every
+    # node's DRAM, to which each node lends that much memory.
+    store_nodes: int = 1
+    cluster_segment_tokens: int = 0
 
 
 def worker_cpus(mode: str, prefill: int, decode: int, cpus: list[int]) -> dict[tuple[str, int], str]:
@@ -49,6 +54,9 @@ class Deployment:
     key_prefix: str = field(default_factory=lambda: f"pdbench-{uuid.uuid4().hex[:8]}")
     procs: list[ServiceProcess] = field(default_factory=list)
     router: ServiceProcess | None = None
+    metrics_port: int = 0  # the router's /metrics
+    stores: list[str] = field(default_factory=list)  # each store node's address
+    master: MooncakeMaster | None = None
     _own_redis: RedisServer | None = None
 
     @classmethod
@@ -70,14 +78,22 @@ class Deployment:
         s = self.spec
         common = ["--model", "tiny", "--block-size", str(s.block_size), "--redis-url", self.redis_url,
                   "--key-prefix", self.key_prefix, "--engine", s.engine]
-        store_blocks = max(16, s.store_cache_tokens // s.block_size)
+        cluster: list[str] = []
+        if s.cluster_segment_tokens:
+            self.master = MooncakeMaster().start()
+            cluster = ["--cluster-store", "mooncake", "--cluster-master", self.master.address,
+                       "--cluster-segment-bytes", str(s.cluster_segment_tokens // s.block_size * s.block_nbytes)]
+        store_blocks = max(16, s.store_cache_tokens // s.store_nodes // s.block_size)
         device = store_blocks // 4
-        store = self._add(ServiceProcess("services.kvstore", *common, "--device", "host",
-                                         "--device-bytes", str(device * s.block_nbytes),
-                                         "--dram-bytes", str((store_blocks - device) * s.block_nbytes)))
-        store.start()
-        worker = [*common, "--store", store.address, "--threads", str(s.threads), "--heartbeat-s", "0.5",
-                  *s.extra_worker_flags]
+        stores = [self._add(ServiceProcess(
+            "services.kvstore", *common, "--device", "host", "--device-bytes", str(device * s.block_nbytes),
+            "--dram-bytes", str((store_blocks - device) * s.block_nbytes), *cluster,
+            *(("--node", f"node-{n}") if s.store_nodes > 1 else ()), name=f"kvstore-{n}"))
+            for n in range(s.store_nodes)]
+        for store in stores:
+            store.start()
+        self.stores = [st.address for st in stores]
+        worker = [*common, "--threads", str(s.threads), "--heartbeat-s", "0.5", *s.extra_worker_flags]
         cache = str(s.worker_cache_tokens // s.block_size)
         if s.mode == "disagg":
             roles = [("prefill", s.prefill, cache), ("decode", s.decode, str(s.decode_kv_tokens // s.block_size))]
@@ -85,13 +101,16 @@ class Deployment:
             roles = [("decode", s.prefill + s.decode, cache)]
         placed = worker_cpus(s.mode, s.prefill, s.decode, sorted(os.sched_getaffinity(0))) if s.pin else {}
         workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages,
+                                            "--store", stores[i % len(stores)].address,
                                             *(("--cpus", placed[role, i]) if placed else ()), name=f"{role}-{i}"))
                    for role, n, pages in roles for i in range(n)]
         for w in workers:
             w.spawn()
         for w in workers:
             w.wait_ready()
-        router = ["--store", store.address, "--policy", s.policy, "--refresh-s", "0.2", *s.extra_router_flags]
+        self.metrics_port = free_port()
+        router = ["--store", stores[0].address, "--policy", s.policy, "--refresh-s", "0.2", "--metrics-port",
+                  str(self.metrics_port), *s.extra_router_flags]
         if s.mode == "colocated":
             router += ["--colocate-below-tokens", str(1 << 30)]
         self.router = self._add(ServiceProcess("services.router", *common, *router))
@@ -113,8 +132,43 @@ class Deployment:
                 time.sleep(0.2)
         time.sleep(1.0)  # one heartbeat so the router sees every worker's load
 
+    def router_gauges(self) -> dict[str, float]:
+        """The router's /metrics gauges (its fitted TTFT coefficients among them)."""
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return {name[len("pdserve_"):]: float(value) for name, _, value in
+                (line.partition(" ") for line in body.splitlines() if line and not line.startswith("#"))
+                if "{" not in name and not name.endswith(("_count", "_sum", "_total"))}
+
+    def store_stats(self) -> list[dict]:
+        """Each store node's hit and miss counts and its cluster tier's counters."""
+        import asyncio
+        from dataclasses import asdict
+
+        from pdserve.engine.mock_runner import served_profile
+        from pdserve.kvclient.store_client import StoreClient
+        from pdserve.model.spec import describe
+
+        profile = served_profile(describe("tiny"), self.spec.block_size, mock=self.spec.engine == "mock")
+
+        async def one(address: str) -> dict:
+            client = StoreClient(address, profile)
+            try:
+                st = await client.stats()
+            finally:
+                await client.close()
+            return {"hits": st.hits, "misses": st.misses, "cluster": asdict(st.cluster) if st.cluster else None}
+
+        async def every() -> list[dict]:
+            return [await one(a) for a in self.stores]
+
+        return asyncio.run(every())
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+        if self.master:
+            self.master.stop()
         if self._own_redis:
             self._own_redis.stop()

@@ -285,15 +285,18 @@ def run(args: argparse.Namespace) -> None:
         for r in full]
     figures = {"rows": rows, "full_store_tiny": full, "block_size": args.block_size}
     if args.cluster:
-        from pdserve.bench.cluster_bench import cluster_rows
+        from pdserve.bench.cluster_bench import cluster_rows, per_token_costs
 
         layout = "7b" if "7b" in args.layouts else "tiny"
         cluster = cluster_rows(_layouts(args.block_size)[layout], args.cluster_tokens, args.repeats)
+        per_token_costs(cluster, rows)
         figures["cluster_rows"] = cluster
         lines += [f"{r['layout']:>4} {r['tokens']:>6} tok {r['bytes'] / 2**20:8.1f} MiB: cluster tier put "
                   f"{r['tier_put_gbps']:.2f} get {r['tier_get_gbps']:.2f} GB/s, raw mooncake put "
                   f"{r['raw_put_gbps']:.2f} get {r['raw_get_gbps']:.2f}  tier/raw put {r['put_vs_raw']:.2f} "
-                  f"get {r['get_vs_raw']:.2f}" for r in cluster]
+                  f"get {r['get_vs_raw']:.2f}; a token's KV from the cluster {r['cluster_get_us_per_token']:.0f} us"
+                  + (f", from the node's store {r['store_get_us_per_token']:.0f} us" if "store_get_us_per_token" in r
+                     else "") for r in cluster]
         if layout == "7b":
             targets.append(Target("cluster_put_vs_raw_7b_min", min(r["put_vs_raw"] for r in cluster), "x", 0.8, ">="))
             targets.append(Target("cluster_get_vs_raw_7b_min", min(r["get_vs_raw"] for r in cluster), "x", 0.8, ">="))

@@ -60,6 +60,7 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.output_tokens = len(item.token_ids)
                 rec.cached_local = item.usage["cached_tokens_local"]
                 rec.cached_store = item.usage["cached_tokens_store"]
+                rec.cached_cluster = item.usage["cached_tokens_cluster"]
                 rec.computed = item.usage["computed_tokens"]
                 rec.prefill_worker = item.route["prefill"]
                 rec.expected_hit_tokens = item.route["expected_hit_tokens"]

@@ -27,7 +27,8 @@ class Record:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     cached_local: int = 0
-    cached_store: int = 0
+    cached_store: int = 0  # (of which cached_cluster came from the cluster tier)
+    cached_cluster: int = 0
     computed: int = 0
     prefill_worker: str = ""
     expected_hit_tokens: int = 0  # what the router expected this prompt to reuse where it sent it

@@ -72,8 +72,12 @@ class EventWriter:
         self.owner = owner
         self._seq = 0
 
-    def queue(self, pipe: Pipeline, *, reset: bool = False, added=(), removed=()) -> None:
+    def take_seq(self) -> int:
+        """The next event's number, for a writer that appends the event itself (a script)."""
         self._seq += 1
-        event = IndexEvent(self.owner, self._seq, reset, tuple(added), tuple(removed))
+        return self._seq
+
+    def queue(self, pipe: Pipeline, *, reset: bool = False, added=(), removed=()) -> None:
+        event = IndexEvent(self.owner, self.take_seq(), reset, tuple(added), tuple(removed))
         pipe.xadd(self.keys.index_events(), event.fields(), maxlen=INDEX_EVENTS_MAXLEN, approximate=True)
         pipe.expire(self.keys.index_events(), INDEX_TTL_S)  # (a deployment that is gone leaves no stream)

@@ -198,7 +198,7 @@ class IndexMirror:
         if owner.startswith(STORE_OWNER):
             members = await self.redis.hkeys(self.keys.store_index(owner[len(STORE_OWNER):]))
         elif owner.startswith(CLUSTER_OWNER):
-            members = await self.redis.smembers(self.keys.cluster_index())
+            members = await self.redis.zrange(self.keys.cluster_index(), 0, -1)
         else:
             members = await self.redis.smembers(self.keys.worker_index(owner[len(WORKER_OWNER):]))
         return {bytes.fromhex(m.decode()) for m in members}

@@ -45,11 +45,17 @@ class RedisKeys:
         return f"{self.prefix}:index:store:{node}"
 
     def cluster_index(self) -> str:
-        """SET of block-hash hex the cluster tier holds, as its store nodes saw it: added when a
-        node's write succeeded, removed when a node's read missed (the cluster evicts on its own,
-        so this is a hint). Every node writes it; capped at CLUSTER_INDEX_MAX (random members go
-        first), TTL INDEX_TTL_S refreshed by each writer."""
+        """ZSET block-hash hex -> when a node last wrote or fetched it: what the cluster tier holds,
+        as its store nodes saw it (added when a node's write or read succeeded, removed when a
+        read missed). The cluster evicts on its own, so each write trims it, oldest first, to what
+        the nodes' segments hold (`cluster_capacity`), at most CLUSTER_INDEX_MAX; TTL INDEX_TTL_S
+        refreshed by each writer."""
         return f"{self.prefix}:index:cluster"
+
+    def cluster_capacity(self) -> str:
+        """HASH node -> blocks its segment of the cluster holds (0: it only uses the cluster);
+        refreshed by each node's flush, TTL INDEX_TTL_S."""
+        return f"{self.prefix}:index:cluster-capacity"
 
     def worker_index(self, worker: str) -> str:
         """SET of block-hash hex held in a worker's own prefix cache (capped by its pages; expires

@@ -12,6 +12,7 @@ while Redis stayed up (flushed, deleted): each flush checks the key still exists
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,15 @@ import redis.asyncio as aioredis
 from pdserve import logs
 from pdserve.cluster import connect, transaction
 from pdserve.cluster.index_events import EventWriter, cluster_owner, store_owner
-from pdserve.cluster.keys import CLUSTER_INDEX_MAX, INDEX_TTL_S, KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+from pdserve.cluster.keys import (
+    CLUSTER_INDEX_MAX,
+    INDEX_EVENTS_MAXLEN,
+    INDEX_TTL_S,
+    KEEP_WINDOWS,
+    WINDOW_S,
+    RedisKeys,
+    window_start,
+)
 from pdserve.kv.hashing import HASH_BYTES
 from pdserve.runtime.tasks import cancel_and_wait
 
@@ -57,22 +66,44 @@ end
 return 0
 """
 
-# KEYS[1]: the cluster index; ARGV: held ("1" or "0") then the keys as one hex string, pairs. Capped
-# at ARGV's last value: random members go (a hint, and routers resync their mirrors).
+# The node's changes to the cluster index, and its event, in one script: KEYS the index ZSET, the
+# capacity HASH, the event stream; ARGV the time (each member's score), owner, seq, stream maxlen,
+# TTL, hard cap, then pairs: held ("1" or "0") and the keys as one hex string. The index is then
+# trimmed, oldest first, to what the nodes' segments hold (their capacity entries summed): the
+# cluster evicts on its own, and hints past its size would promise blocks long gone. What the trim
+# took goes out in the event's removed list, so mirrors drop it too (hence the event is written
+# here, where the trimmed members are known, not queued beside the script).
 APPLY_CLUSTER = """
-local index = KEYS[1]
-for a = 1, #ARGV - 1, 2 do
+local index, capacity, events = KEYS[1], KEYS[2], KEYS[3]
+local now, owner, seq, maxlen, ttl, hard = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local added, removed = {}, {}
+local function unhex(hex) return (hex:gsub('..', function(cc) return string.char(tonumber(cc, 16)) end)) end
+for a = 7, #ARGV - 1, 2 do
   local held, keys = ARGV[a], ARGV[a + 1]
-  local members = {}
-  for k = 0, #keys / 32 - 1 do members[#members + 1] = string.sub(keys, k * 32 + 1, k * 32 + 32) end
-  for i = 1, #members, 2000 do
-    local part = {unpack(members, i, math.min(i + 1999, #members))}
-    if held == "1" then redis.call("SADD", index, unpack(part)) else redis.call("SREM", index, unpack(part)) end
+  for i = 0, #keys / 32 - 1, 1000 do
+    local args = {}
+    for k = i, math.min(i + 999, #keys / 32 - 1) do
+      local m = string.sub(keys, k * 32 + 1, k * 32 + 32)
+      if held == "1" then args[#args + 1] = now end
+      args[#args + 1] = m
+    end
+    if held == "1" then redis.call("ZADD", index, unpack(args)) else redis.call("ZREM", index, unpack(args)) end
   end
+  if held == "1" then added[#added + 1] = keys else removed[#removed + 1] = keys end
 end
-local over = redis.call("SCARD", index) - tonumber(ARGV[#ARGV])
-if over > 0 then redis.call("SPOP", index, over) end
-return 0
+local cap = 0
+for _, v in ipairs(redis.call("HVALS", capacity)) do cap = cap + tonumber(v) end
+local over = redis.call("ZCARD", index) - math.min(cap, hard)
+if over > 0 then
+  local gone = redis.call("ZRANGE", index, 0, over - 1)
+  redis.call("ZREMRANGEBYRANK", index, 0, over - 1)
+  removed[#removed + 1] = table.concat(gone)
+end
+redis.call("EXPIRE", index, ttl)
+redis.call("XADD", events, "MAXLEN", "~", maxlen, "*", "owner", owner, "seq", seq, "reset", 0,
+           "added", unhex(table.concat(added)), "removed", unhex(table.concat(removed)))
+redis.call("EXPIRE", events, ttl)
+return over > 0 and over or 0
 """
 
 
@@ -106,6 +137,7 @@ class RedisIndex:
         self._events = EventWriter(keys, store_owner(node))
         self._cluster_log: deque[tuple[bytes, bool]] = deque()  # (hash, held): appended by the tier's threads
         self._cluster_events = EventWriter(keys, cluster_owner(node))
+        self.cluster_capacity_blocks: int | None = None  # this node's segment, in blocks (None: no cluster tier)
 
     # IndexSink: called on the event loop, never blocks.
     def committed(self, keys: Sequence[bytes], tiers: Sequence[str]) -> None:
@@ -145,11 +177,10 @@ class RedisIndex:
     def _queue_cluster(self, pipe, pending: dict[bytes, bool]) -> None:
         held = [h for h, v in pending.items() if v and len(h) == HASH_BYTES]
         gone = [h for h, v in pending.items() if not v and len(h) == HASH_BYTES]
-        index = self.keys.cluster_index()
         args = [a for flag, ks in (("1", held), ("0", gone)) if ks for a in (flag, b"".join(ks).hex())]
-        pipe.eval(APPLY_CLUSTER, 1, index, *args, CLUSTER_INDEX_MAX)
-        self._cluster_events.queue(pipe, added=held, removed=gone)
-        pipe.expire(index, INDEX_TTL_S)
+        keys = (self.keys.cluster_index(), self.keys.cluster_capacity(), self.keys.index_events())
+        pipe.eval(APPLY_CLUSTER, len(keys), *keys, f"{time.time():.6f}", self._cluster_events.owner,
+                  self._cluster_events.take_seq(), INDEX_EVENTS_MAXLEN, INDEX_TTL_S, CLUSTER_INDEX_MAX, *args)
 
     def looked_up(self, hits: int, misses: int) -> None:
         self._hits += hits
@@ -213,6 +244,9 @@ class RedisIndex:
                 self._events.queue(pipe, added=[k for tier, ks in by_tier.items() if tier for k in ks],
                                    removed=by_tier.get("", []))
         pipe.expire(index, INDEX_TTL_S)
+        if self.cluster_capacity_blocks is not None:  # (each flush: the trim sums every node's)
+            pipe.hset(self.keys.cluster_capacity(), self.node, self.cluster_capacity_blocks)
+            pipe.expire(self.keys.cluster_capacity(), INDEX_TTL_S)
         cluster = self._take_cluster()
         if cluster:
             self._queue_cluster(pipe, cluster)

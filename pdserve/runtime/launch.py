@@ -172,6 +172,12 @@ class MooncakeMaster:
     free port, bound to `host`; stopped by its pid, never anyone else's. It keeps object
     metadata in memory only: a restarted master starts empty."""
 
+    # How long an object stays unevictable after a put or a get (Mooncake's default: 10 s). The
+    # cluster tier is a cache: at 10 s a busy cluster is full of objects it may not evict, and
+    # refuses the newest blocks while it keeps old ones. 1 s covers a fetch; a read that outlives
+    # its lease and finds the memory reused fails its checksum and is a miss, never wrong KV.
+    KV_LEASE_MS = 1000
+
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: str | None = None) -> None:
         self.exe = mooncake_master_exe()
         self.host = host
@@ -188,7 +194,7 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(
             [*die_with_parent(), self.exe, f"--rpc_port={self.port}", f"--rpc_address={self.host}",
              f"--metrics_host={self.host}", f"--metrics_port={free_port()}",
-             "--enable_http_metadata_server=false"],
+             "--enable_http_metadata_server=false", f"--default_kv_lease_ttl={self.KV_LEASE_MS}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout_s
         while True:

@@ -71,6 +71,7 @@ async def main() -> None:
     store.index = index
     if cluster is not None:
         cluster.index = index
+        index.cluster_capacity_blocks = cluster.capacity_blocks()
     # (abstract Unix sockets are Linux's; the name is unique to this process)
     unix = f"unix-abstract:pdserve-kvstore-{uuid.uuid4().hex}" if cfg.unix and sys.platform == "linux" else ""
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,

@@ -41,6 +41,7 @@ TRAILER = 8  # the checksum after each object's block bytes
 RPC_FAIL = -900  # Mooncake's code for a master that did not answer
 NOT_FOUND = -704  # Mooncake's code for a key it does not hold
 BATCH, BATCH_WAIT_S = 64, 0.002  # a put carries up to BATCH blocks, waiting this long between arrivals
+MASTER_HIGH_WATERMARK = 0.9  # mooncake_master evicts past this share of a segment (its default)
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
 
 
@@ -118,6 +119,11 @@ class ClusterTier:
             threading.Thread(target=self._connect_loop, name="cluster-connect", daemon=True).start()
         else:
             self._ready(client)
+
+    def capacity_blocks(self) -> int:
+        """How many blocks this node's segment holds before the master evicts (it starts at
+        MASTER_HIGH_WATERMARK full)."""
+        return int(self.cfg.segment_bytes * MASTER_HIGH_WATERMARK) // self.stride
 
     def key(self, block_hash: bytes) -> str:
         return object_key(self.profile_root, block_hash)
@@ -273,6 +279,8 @@ class ClusterTier:
                 break
             out.append(Fetched(h, expected, self._view(slot), slot))
         self.counters.fetched += len(out)
+        if self.index is not None and out:  # (read recently: the master evicts it later, as the index trims)
+            self.index.cluster_stored([f.key for f in out])
         return out
 
     def done_with(self, run: Sequence[Fetched]) -> None:

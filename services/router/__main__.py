@@ -36,7 +36,12 @@ async def main() -> None:
     redis = connect(cfg.redis_url, 0.5)
     keys = RedisKeys.for_url(cfg.redis_url, cfg.key_prefix)
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s, auth.current().service_token)
-    metrics = Metrics(gauges=lambda: store_gauges(cfg.store))
+    router: Router | None = None
+
+    async def gauges() -> dict[str, float]:
+        return {**await store_gauges(cfg.store), **(router.coef.gauges() if router else {})}
+
+    metrics = Metrics(gauges=gauges)
     mirror = IndexMirror(connect(cfg.redis_url, 2.0),
                          keys) if cfg.index_mirror else None
     router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,

@@ -78,6 +78,12 @@ class Coefficients:
         self.cluster_ms_per_token = cluster_ms_per_token
         self._recent: deque[tuple[int, int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
+        self.fitted: frozenset[str] = frozenset()  # the coefficients the last fit could tell (the rest: as given)
+
+    def gauges(self) -> dict[str, float]:
+        """The coefficients the last fit could tell, and how many prefills it saw, for /metrics."""
+        return {**{f"router_ttft_{n}": getattr(self, n) for n in self.NAMES if n in self.fitted},
+                "router_ttft_samples": self.samples}
 
     def ms(self, c: PrefillCost) -> float:
         return (c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token
@@ -106,6 +112,7 @@ class Coefficients:
             if (fit >= 0).all():
                 for i, v in zip(free, fit, strict=True):
                     setattr(self, self.NAMES[i], float(v))
+                self.fitted = frozenset(self.NAMES[i] for i in free)
                 return
             free = [i for i, v in zip(free, fit, strict=True) if v >= 0]
 
