@@ -187,8 +187,9 @@ def test_a_15mb_prompt_is_refused_at_once_and_other_streams_do_not_stall(stack, 
     assert out[0] == "InvalidArgument" and "over this service's limit" in out[2], out
     assert float(out[1]) < 2.0  # moving 15 MB over loopback included
     assert got == expected(engine, ids(30, 3), 150)
-    # Under 100 ms, or (on a machine too busy for that) within twice what the stream alone saw.
-    assert max(gaps) < max(0.1, 2 * max(quiet)), f"stalled {max(gaps) * 1e3:.0f} ms, alone {max(quiet) * 1e3:.0f}"
+    # Under 250 ms (the stall this guards against was 11.7 s; a full suite on 2 cores has shown 122 ms
+    # here), or on a machine too busy for that, within twice what the stream alone saw.
+    assert max(gaps) < max(0.25, 2 * max(quiet)), f"stalled {max(gaps) * 1e3:.0f} ms, alone {max(quiet) * 1e3:.0f}"
     print(f"\nFAULT 15 MB prompt: INVALID_ARGUMENT in {float(out[1]):.2f}s; other stream's longest gap "
           f"{max(gaps) * 1e3:.0f} ms (alone {max(quiet) * 1e3:.0f} ms)")
     _healthy_and_clean(stack, engine)
