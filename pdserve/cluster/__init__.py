@@ -27,20 +27,20 @@ def _node_url(url: str) -> str:
     return CLUSTER_SCHEMES[scheme] + sep + rest
 
 
+def _open(single, cluster, url: str, timeout_s: float):
+    """`single` or `cluster` (a client class), as `url` says, giving up after `timeout_s`."""
+    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 0.5)}
+    return cluster.from_url(_node_url(url), **opts) if is_cluster(url) else single.from_url(url, **opts)
+
+
 def connect(url: str, timeout_s: float) -> Redis:
     """A client for `url` whose every call gives up after `timeout_s` (connecting too)."""
-    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 0.5)}
-    if is_cluster(url):
-        return aioredis.RedisCluster.from_url(_node_url(url), **opts)
-    return aioredis.Redis.from_url(url, **opts)
+    return _open(aioredis.Redis, aioredis.RedisCluster, url, timeout_s)
 
 
 def connect_sync(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
     """The blocking client for `url` (for what runs outside an event loop: cleanup, tools)."""
-    opts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 0.5)}
-    if is_cluster(url):
-        return redis.RedisCluster.from_url(_node_url(url), **opts)
-    return redis.Redis.from_url(url, **opts)
+    return _open(redis.Redis, redis.RedisCluster, url, timeout_s)
 
 
 async def transaction(client: Redis):
