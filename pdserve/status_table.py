@@ -8,9 +8,10 @@ _ROLE = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECOD
 
 
 def render(s: router_pb2.StatusResponse) -> str:
-    rows = [("ROLE", "ADDRESS", "HEALTH", "QUEUED TOK", "RUNNING", "FREE KV", "NOTE")]
+    rows = [("ROLE", "ADDRESS", "HEALTH", "DEVICE", "KV PATH", "QUEUED TOK", "RUNNING", "FREE KV", "NOTE")]
     for w in s.workers:
-        rows.append((_ROLE.get(w.role, "?"), w.address, "ok" if w.healthy else "DOWN", str(w.load.queued_tokens),
+        rows.append((_ROLE.get(w.role, "?"), w.address, "ok" if w.healthy else "DOWN", w.device or "?",
+                     w.kv_path or "?", str(w.load.queued_tokens),
                      str(w.load.running_requests), f"{w.load.free_kv_blocks}/{w.load.total_kv_blocks}",
                      ("refused: " + w.refused_reason[:60]) if w.refused_reason else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

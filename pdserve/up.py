@@ -87,7 +87,7 @@ class Stack:
         workers = [self._add(ServiceProcess(f"services.{role}", *model, *common,
                                             "--store", stores[i % len(stores)].address,
                                             "--num-blocks", str(a.num_blocks), "--threads", str(a.threads),
-                                            name=f"{role}-{i}", log_dir=self.log_dir))
+                                            "--device", a.device, name=f"{role}-{i}", log_dir=self.log_dir))
                    for role, n in (("prefill", a.prefill), ("decode", a.decode)) for i in range(n)]
         for w in workers:
             w.spawn()
@@ -197,6 +197,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--engine", default="real", choices=["real", "mock"], help="mock: cost-model timing, no compute")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto", help="workers' device: auto (CUDA when torch sees a GPU) | cpu | "
+                                                    "cuda | cuda:N")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096, help="KV pages per worker")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")

@@ -26,7 +26,7 @@ def start_store(redis_url: str, key_prefix: str, device_blocks: int, dram_blocks
     return ServiceProcess(
         "services.kvstore", "--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG,
         "--device-bytes", str(device_blocks * BLOCK), "--dram-bytes", str(dram_blocks * BLOCK),
-        "--device", "host", "--lease-ms", str(lease_ms), "--redis-url", redis_url, "--key-prefix", key_prefix,
+        "--lease-ms", str(lease_ms), "--redis-url", redis_url, "--key-prefix", key_prefix,
         "--grace-s", "1", "--fence-ms", str(fence_ms), *extra).start()
 
 

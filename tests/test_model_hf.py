@@ -16,6 +16,9 @@ from pdserve.model.attention import AttentionMetadata, SeqPages
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.torch_backend import TorchBackend, TorchOps
 from tests.hf_checkpoints import make_checkpoint
+from tests.support.device import TEST_DEVICE
+
+TOLERANCE = 1e-4 if TEST_DEVICE == "cpu" else 1e-3  # (CUDA sums in another order)
 
 KINDS = ["llama", "llama_linear", "qwen2", "mistral"]
 
@@ -24,13 +27,14 @@ def our_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) 
     """All-position logits [T, vocab] from one paged forward pass."""
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    cache = KVCache(KVLayout.for_model(loaded.config, block_size, loaded.dtype), num_blocks)
-    pos = torch.arange(n)
-    backend = TorchBackend(cache.layout)
+    device = torch.device(TEST_DEVICE)
+    cache = KVCache(KVLayout.for_model(loaded.config, block_size, loaded.dtype), num_blocks, device)
+    pos = torch.arange(n, device=device)
+    backend = TorchBackend(cache.layout, device)
     meta = AttentionMetadata(backend, TorchOps(), pos // block_size, pos % block_size,
                              backend.plan([SeqPages(0, n, n, list(range(num_blocks)))]))
     with torch.inference_mode():
-        return loaded.model(torch.tensor(token_ids), pos, meta, cache.tensor, pos)
+        return loaded.model.to(device)(torch.tensor(token_ids, device=device), pos, meta, cache.tensor, pos).cpu()
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -49,13 +53,13 @@ def test_logits_match_transformers(checkpoint, length):
     with torch.no_grad():
         theirs = hf_model(torch.tensor([tokens])).logits[0].float()
     assert ours.shape == theirs.shape == (length, 258)
-    assert (ours - theirs).abs().max().item() <= 1e-4, kind
+    assert (ours - theirs).abs().max().item() <= TOLERANCE, kind
 
 
 def test_greedy_generation_matches_transformers(checkpoint):
     kind, path, hf_model = checkpoint
     loaded = load_model(str(path))
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256, device=TEST_DEVICE))
     prompts = [[(i * 13 + 5) % 258 for i in range(n)] for n in (3, 16, 41)]
     ours = engine.generate(prompts, SamplingParams(max_tokens=24))
     for prompt, result in zip(prompts, ours, strict=True):

@@ -172,7 +172,7 @@ def test_hash_profile_mismatch_is_refused(stack):
     from pdserve.runtime.launch import ServiceProcess
 
     # A worker of another deployment (block size 32, its own store) registers in the same Redis.
-    odd_store = ServiceProcess("services.kvstore", "--model", "tiny", "--block-size", "32", "--device", "host",
+    odd_store = ServiceProcess("services.kvstore", "--model", "tiny", "--block-size", "32",
                                "--device-bytes", str(8 << 20), "--dram-bytes", str(8 << 20), *stack.common()).start()
     odd = ServiceProcess("services.prefill", "--model", "tiny", "--block-size", "32", "--store", odd_store.address,
                          "--heartbeat-s", "0.5", "--threads", "1", *stack.common()).start()

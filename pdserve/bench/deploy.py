@@ -86,7 +86,7 @@ class Deployment:
         store_blocks = max(16, s.store_cache_tokens // s.store_nodes // s.block_size)
         device = store_blocks // 4
         stores = [self._add(ServiceProcess(
-            "services.kvstore", *common, "--device", "host", "--device-bytes", str(device * s.block_nbytes),
+            "services.kvstore", *common, "--device-bytes", str(device * s.block_nbytes),
             "--dram-bytes", str((store_blocks - device) * s.block_nbytes), *cluster,
             *(("--node", f"node-{n}") if s.store_nodes > 1 else ()), name=f"kvstore-{n}"))
             for n in range(s.store_nodes)]

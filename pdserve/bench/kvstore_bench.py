@@ -201,7 +201,7 @@ def _start_store(name: str, profile: HashProfile, device_blocks: int, dram_block
     return ServiceProcess(
         "services.kvstore", "--kv-layout",
         f"{lay.num_layers},{lay.num_kv_heads},{lay.block_size},{lay.head_dim},{lay.dtype}",
-        "--model-fingerprint", profile.model_fingerprint, "--device", "host",
+        "--model-fingerprint", profile.model_fingerprint,
         "--device-bytes", str(device_blocks * lay.block_nbytes), "--dram-bytes", str(dram_blocks * lay.block_nbytes),
         "--redis-url", args.redis_url, "--key-prefix", f"pdbench-{os.getpid()}", name=f"kvstore-{name}").start()
 

@@ -65,11 +65,14 @@ class Registration:
 
     def __init__(self, url: str, keys: RedisKeys, worker_id: str, role: str, address: str, profile: HashProfile,
                  load: Callable[[], dict], cached_hashes: Callable[[], list[bytes]] | None = None,
-                 interval_s: float = 1.0, service_token: str = "", store_node: str = "local"):
+                 interval_s: float = 1.0, service_token: str = "", store_node: str = "local",
+                 shown: dict[str, str] | None = None):
         self.redis = connect(url, 1.0)
         self.keys = keys
         self.worker_id = worker_id
-        self.fields = {"role": role, "address": address, "profile": profile_json(profile), "store_node": store_node}
+        # `shown`: fields for `pdserve status` only (the device, the KV path); nothing routes by them.
+        self.fields = {**(shown or {}), "role": role, "address": address, "profile": profile_json(profile),
+                       "store_node": store_node}
         if service_token:
             self.fields["sig"] = sign(service_token, worker_id, self.fields)
         self.load = load

@@ -6,7 +6,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+from pdserve.engine.device import check_device_name
+
+ATTENTION_BACKENDS = ("auto", "kernel", "flash", "torch")
 
 
 class Role(enum.Enum):
@@ -27,8 +29,11 @@ class EngineConfig:
     mock_cost: Any = None  # a mock_runner.CostModel: run the mock engine instead of the model
     # "kernel": the C kernels (built on first use): decode attention reading pages in place, the KV
     # write and, for float32, the small-batch GEMM, RMSNorm and RoPE. "torch": torch throughout,
-    # pages gathered for SDPA. "auto": the kernels where they build, torch (said so) where not.
+    # pages gathered for SDPA. "flash": FlashAttention's paged kernels (CUDA, float16/bfloat16,
+    # pages of 256 tokens). "auto": the device's own where it fits, torch (said so) where not.
     attention_backend: str = "auto"
+    # auto | cpu | cuda[:N]: weights, the paged KV cache and sampling live there (device.py).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -42,5 +47,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        check_device_name(self.device)
+        if self.mock_cost is not None and self.device not in ("cpu", "auto"):
+            raise ValueError(f"the mock engine runs on the CPU, got device {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig, Role
+from pdserve.engine.device import resolve_device
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.malloc import keep_freed_memory
 from pdserve.engine.mock_runner import MockRunner, served_profile
@@ -67,11 +68,14 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.profile = served_profile(loaded, self.config.block_size, mock=self.config.mock_cost is not None)
-        self.kv_cache = KVCache(self.profile.layout, self.config.num_blocks)
+        # The mock engine computes nothing: its pages stay in host memory whatever `auto` finds.
+        self.device = torch.device("cpu") if self.config.mock_cost is not None else resolve_device(self.config.device)
+        self.kv_cache = KVCache(self.profile.layout, self.config.num_blocks, self.device)
         self.scheduler = Scheduler(self.config, self.profile, loaded.config.eos_token_ids, self.max_model_len)
         if self.config.mock_cost is not None:
             self.runner = MockRunner(self.kv_cache, loaded.config.vocab_size, self.config.mock_cost)
         else:
+            loaded.model.to(self.device)
             self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.attention_backend)
         self._ids = itertools.count()
         self.last_batch: list[str] = []

@@ -8,7 +8,7 @@ from pdserve import logs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model import kernel_backend
+from pdserve.model import flash_backend, kernel_backend
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, RowOps, SeqPages
 from pdserve.model.llama import Transformer
 from pdserve.model.torch_backend import TorchBackend, TorchOps
@@ -72,16 +72,25 @@ class ModelRunner:
 
 def select_backend(requested: str, kv_cache: KVCache) -> tuple[AttentionBackend, RowOps]:
     """EngineConfig.attention_backend made real. "torch": torch for everything. "kernel": the C
-    kernels (the C row ops for float32 models only), an error where they cannot be built. "auto":
-    the kernels where they build, else torch, saying why."""
-    torch_backend = TorchBackend(kv_cache.layout, kv_cache.tensor.device), TorchOps()
-    if requested == "torch":
-        return torch_backend
-    why_not = kernel_backend.unavailable(kv_cache.tensor)
-    if why_not is None:
-        ops = kernel_backend.CpuKernelOps() if kv_cache.tensor.dtype == torch.float32 else TorchOps()
-        return kernel_backend.CpuKernelBackend(kv_cache.layout), ops
-    if requested == "kernel":
-        raise ValueError(f"attention_backend 'kernel' is unavailable: {why_not}")
-    log.warning("decode attention falls back to gathered pages + SDPA (slower)", reason=why_not)
-    return torch_backend
+    kernels (the C row ops for float32 models only), on the CPU. "flash": FlashAttention's paged
+    kernels, on CUDA. Either is an error where it cannot serve this cache. "auto": the one for the
+    cache's device where it can, else torch, saying why (workers log the choice when ready)."""
+    device, layout = kv_cache.tensor.device, kv_cache.layout
+    torch_backend = TorchBackend(layout, device), TorchOps()
+    chosen = torch_backend
+    if requested != "torch":
+        native = "flash" if device.type == "cuda" else "kernel"
+        why_not = (flash_backend.unavailable(layout, device) if native == "flash"
+                   else kernel_backend.unavailable(kv_cache.tensor))
+        if requested not in ("auto", native):
+            why_not = f"it serves the {'CPU' if requested == 'kernel' else 'CUDA'} only, the cache is on {device}"
+        if why_not is None and native == "flash":
+            chosen = flash_backend.FlashBackend(layout, device), TorchOps()
+        elif why_not is None:
+            ops = kernel_backend.CpuKernelOps() if kv_cache.tensor.dtype == torch.float32 else TorchOps()
+            chosen = kernel_backend.CpuKernelBackend(layout), ops
+        elif requested != "auto":
+            raise ValueError(f"attention_backend {requested!r} is unavailable: {why_not}")
+        else:
+            log.warning("attention falls back to gathered pages + SDPA (slower)", device=str(device), reason=why_not)
+    return chosen

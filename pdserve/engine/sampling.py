@@ -67,4 +67,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
+    if gen is not None and gen.device != probs.device:
+        probs = probs.cpu()  # a seed's generator lives on the CPU: the same draws on every device
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
     q, k, v, out are the step's flat rows: q and out [T, heads, head_dim], k and v
     [T, kv_heads, head_dim]; rows may be strided views of one qkv buffer."""
 
-    name: str  # "torch" or "kernel", as EngineConfig.attention_backend names it
+    name: str  # "torch", "kernel" or "flash", as EngineConfig.attention_backend names it
 
     def plan(self, seqs: list[SeqPages]) -> Any:
         """Once a step, before the forward: what this backend's verbs below need to know of the

@@ -80,18 +80,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "healthy", "load", "refused_reason")
+    __slots__ = ("address", "role", "healthy", "load", "refused_reason", "device", "kv_path")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_PATH_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: _common_pb2.WorkerRole
     healthy: bool
     load: _common_pb2.WorkerLoad
     refused_reason: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., refused_reason: _Optional[str] = ...) -> None: ...
+    device: str
+    kv_path: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., refused_reason: _Optional[str] = ..., device: _Optional[str] = ..., kv_path: _Optional[str] = ...) -> None: ...
 
 class HitRates(_message.Message):
     __slots__ = ("scope", "hit_tokens", "lookup_tokens", "ratio")

@@ -11,6 +11,7 @@ from pdserve import logs
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.registry import Registration
 from pdserve.engine.config import EngineConfig, Role
+from pdserve.engine.device import describe
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.mock_runner import CostModel
 from pdserve.kv.layout import HashProfile
@@ -21,7 +22,7 @@ from pdserve.model.loader import LoadedModel, load_model
 from pdserve.runtime import auth
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_thread import EngineThread
-from pdserve.worker.kv_pages import PageAddresses
+from pdserve.worker.kv_pages import DirectPages, StagedPages, kv_pages
 
 log = logs.get("worker")
 
@@ -35,8 +36,9 @@ class Worker:
     profile: HashProfile
     transfer: Transfer
     store: StoreClient
-    pages: PageAddresses
+    pages: DirectPages | StagedPages
     store_node: str = "local"  # the store node it is attached to (from the store's Info)
+    device: str = "cpu"  # where its engine runs, as `pdserve status` shows it
 
     def registration(self, address: str) -> Registration:
         worker_id = self.cfg.worker_id or f"{self.role.value}-{address}"
@@ -45,7 +47,8 @@ class Worker:
         return Registration(self.cfg.redis_url, keys, worker_id, self.role.value,
                             address, self.profile, lambda: self.engine.load,
                             lambda: engine.scheduler.pool.cached_hashes(), self.cfg.heartbeat_s,
-                            service_token=auth.current().service_token, store_node=self.store_node)
+                            service_token=auth.current().service_token, store_node=self.store_node,
+                            shown={"device": self.device, "kv_path": self.pages.path})
 
 
 async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
@@ -55,16 +58,21 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     mock = CostModel.load(cfg.mock_cost).scaled(cfg.mock_scale) if cfg.engine == "mock" else None
     engine = LLMEngine(model, EngineConfig(role=role, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                           max_num_seqs=cfg.max_num_seqs, mock_cost=mock))
+                                           max_num_seqs=cfg.max_num_seqs, mock_cost=mock, device=cfg.device,
+                                           attention_backend=cfg.attention_backend))
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
-    transfer.register(engine.kv_cache.tensor)
+    longest = -(-engine.max_model_len // cfg.block_size)
+    pages = kv_pages(engine.kv_cache, transfer, cfg.kv_path, cfg.kv_staging_blocks or 4 * longest,
+                     cfg.store_timeout_ms / 1000)
     store = StoreClient(cfg.store, engine.profile, transfer, timeout_s=cfg.store_timeout_ms / 1000)
     info = await store.connect()
     if engine.profile.mismatch(info.profile):
         raise SystemExit(f"store at {cfg.store} serves another hash profile: {engine.profile.mismatch(info.profile)}")
     thread = EngineThread(engine)
     thread.start()
-    log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12],
-             num_blocks=cfg.num_blocks, store=cfg.store, store_node=info.node, segment=transfer.segment)
-    return Worker(cfg, role, model, thread, engine.profile, transfer, store, PageAddresses(engine.kv_cache),
-                  info.node)
+    device = describe(engine.device)
+    attention = getattr(getattr(engine.runner, "attention_backend", None), "name", "none (mock)")
+    log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12], device=device,
+             kv_path=pages.path, attention=attention, num_blocks=cfg.num_blocks, store=cfg.store, store_node=info.node,
+             segment=transfer.segment)
+    return Worker(cfg, role, model, thread, engine.profile, transfer, store, pages, info.node, device)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
+from pdserve.engine.device import check_device_name
 from pdserve.runtime.service import parse_cpus
+
+KV_PATHS = ("auto", "direct", "staged")
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,12 @@ class WorkerConfig:
     threads: int = field(0, "torch threads (0: torch's default)")
     cpus: str = field("", "CPU ids this worker runs on, taskset-style, e.g. '1' or '0-3,8' (default: all)")
     engine: str = field("real", "real | mock (cost-model timing, no model compute)")
+    device: str = field("auto", "auto | cpu | cuda | cuda:N: where weights, KV pages and sampling live (auto: CUDA "
+                                "when torch sees a GPU)")
+    attention_backend: str = field("auto", "auto | kernel (C, CPU) | flash (CUDA) | torch (any device)")
+    kv_path: str = field("auto", "how the transfer engine reaches the KV pages: direct (their own memory), staged "
+                                 "(through a registered host buffer), auto (direct for host pages, staged for GPU)")
+    kv_staging_blocks: int = field(0, "staged KV path: host buffer size in blocks (0: four of the longest prompts)")
     mock_cost: str = field("", "mock engine cost model: JSON file or inline JSON (default: fitted to tiny here)")
     mock_scale: float = field(1.0, "multiply every mock cost by this (e.g. to mimic a larger model)")
     store: str = field("127.0.0.1:50051", "kvstore address")
@@ -53,5 +62,10 @@ class WorkerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         parse_cpus(self.cpus)
+        check_device_name(self.device)
+        if self.kv_path not in KV_PATHS:
+            raise ValueError(f"kv_path must be one of {', '.join(KV_PATHS)}, got {self.kv_path!r}")
+        if self.kv_staging_blocks < 0:
+            raise ValueError(f"kv_staging_blocks must be >= 0, got {self.kv_staging_blocks}")
         if self.offload_blocks < 0:
             raise ValueError(f"offload_blocks must be >= 0, got {self.offload_blocks}")

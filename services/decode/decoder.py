@@ -215,16 +215,18 @@ class Decoder:
             async for batch in batches:
                 lease = batch.lease_id
                 # Verified off the engine thread: these pages are reserved and not yet decoded from.
-                bad = await store.read_slots(batch.slots, self.w.pages.of([pages[i] for i in batch.indices]))
-                if bad:
-                    at = [batch.indices[i] for i in bad]
-                    try:
-                        await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
-                                                                  len(keys) in at))
-                    finally:
-                        store.release_soon(lease)
-                    raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from the "
-                                    "store; retry the request to recompute them")
+                # (Staged: copied into the pages only when verified, on leaving the block.)
+                async with self.w.pages.inbound([pages[i] for i in batch.indices]) as addrs:
+                    bad = await store.read_slots(batch.slots, addrs)
+                    if bad:
+                        at = [batch.indices[i] for i in bad]
+                        try:
+                            await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
+                                                                      len(keys) in at))
+                        finally:
+                            store.release_soon(lease)
+                        raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from "
+                                        "the store; retry the request to recompute them")
                 got += len(batch.indices)
                 entry.last_activity = time.monotonic()
                 if got == len(pages):

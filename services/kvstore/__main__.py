@@ -6,8 +6,6 @@ import asyncio
 import sys
 import uuid
 
-import torch
-
 from pdserve import logs
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.store_index import RedisIndex
@@ -41,19 +39,13 @@ def hash_profile(cfg: KVStoreConfig) -> HashProfile:
     return served_profile(describe(cfg.model, parse_dtype(cfg.dtype)), cfg.block_size, mock=cfg.engine == "mock")
 
 
-def device_name(cfg: KVStoreConfig) -> str:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return "cpu"
-
-
 async def main() -> None:
     cfg = parse_config(KVStoreConfig, "python -m services.kvstore")
     pin_cpus(cfg.cpus)
     profile = hash_profile(cfg)
     block_nbytes = profile.layout.block_nbytes
-    device = TierMemory("device", cfg.device_bytes // block_nbytes, block_nbytes, device_name(cfg))
-    dram = TierMemory("dram", cfg.dram_bytes // block_nbytes, block_nbytes, "cpu")
+    device = TierMemory("device", cfg.device_bytes // block_nbytes, block_nbytes)
+    dram = TierMemory("dram", cfg.dram_bytes // block_nbytes, block_nbytes)
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     transfer.register(device.buffer)
     transfer.register(dram.buffer)

@@ -27,7 +27,6 @@ class KVStoreConfig:
     model_fingerprint: str = field("", "fingerprint for an explicit --kv-layout")
     device_bytes: int = field(256 * MIB, "device tier capacity in bytes")
     dram_bytes: int = field(1024 * MIB, "DRAM tier capacity in bytes")
-    device: str = field("auto", "device tier memory: auto (cuda when torch sees a GPU), cuda or host")
     lease_ms: int = field(10_000, "default lease length")
     max_lease_ms: int = field(300_000, "longest lease, hold or tail TTL one call may ask for (holders renew)")
     max_leases_per_client: int = field(4096, "open leases one client may hold at once")
@@ -51,8 +50,6 @@ class KVStoreConfig:
     def __post_init__(self) -> None:
         if self.device_bytes <= 0 or self.dram_bytes <= 0:
             raise ValueError("device_bytes and dram_bytes must be positive")
-        if self.device not in ("auto", "cuda", "host"):
-            raise ValueError(f"device must be auto, cuda or host, got {self.device!r}")
         if bool(self.kv_layout) != bool(self.model_fingerprint):
             raise ValueError("--kv-layout and --model-fingerprint go together")
         if not 0 < self.lease_ms <= self.max_lease_ms:

@@ -67,7 +67,7 @@ class RunAllocator:
 @dataclass(frozen=True)
 class TierInfo:
     name: str  # "device" | "dram"
-    kind: str  # "cuda" | "host"
+    kind: str  # "host" (the store's tiers live in host memory: docs/architecture.md, GPUs)
     num_slots: int
     block_nbytes: int
 
@@ -75,11 +75,11 @@ class TierInfo:
 class TierMemory:
     """One tier's buffer [num_slots * block_nbytes] bytes and its slot allocator."""
 
-    def __init__(self, name: str, num_slots: int, block_nbytes: int, device: str = "cpu"):
-        self.info = TierInfo(name, "cuda" if device.startswith("cuda") else "host", num_slots, block_nbytes)
+    def __init__(self, name: str, num_slots: int, block_nbytes: int):
+        self.info = TierInfo(name, "host", num_slots, block_nbytes)
         self.block_nbytes = block_nbytes
         # uint8 so any KV dtype fits; one allocation keeps adjacent slots adjacent in memory.
-        self.buffer = torch.zeros(max(num_slots, 1) * block_nbytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.zeros(max(num_slots, 1) * block_nbytes, dtype=torch.uint8)
         self.allocator = RunAllocator(num_slots)
         self.base_address = self.buffer.data_ptr()  # the buffer never moves
 

@@ -157,7 +157,8 @@ class Prefiller:
             again = await store.allocate([alloc.hashes[i] for i in pending], "", rid, lease_ms,
                                          writer_keeps_copy=True)
             try:
-                await store.ship(again, 0, len(pending), self.w.pages.of([pages[i] for i in pending]))
+                async with self.w.pages.outbound([pages[i] for i in pending]) as addrs:
+                    await store.ship(again, 0, len(pending), addrs)
             except BaseException:
                 if WRITE in again.slots.states:
                     await asyncio.shield(store._release_quietly(again.lease_id))
@@ -183,7 +184,8 @@ class Prefiller:
                 return 0, 0
             try:
                 n = len(pinned.slots)
-                bad = await store.read_slots(pinned.slots, self.w.pages.of(table[n_local : n_local + n]))
+                async with self.w.pages.inbound(table[n_local : n_local + n]) as addrs:
+                    bad = await store.read_slots(pinned.slots, addrs)
                 if bad:  # never computed from: the prefix ends before the first, the rest is recomputed
                     await store.report_corrupt(pinned.lease_id, [hashes[n_local + i] for i in bad])
                     n = bad[0]
@@ -202,8 +204,8 @@ class Prefiller:
         t0 = time.perf_counter()
         store = self.w.store
         with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}) as span:
-            slices = await store.ship(alloc, start, end, self.w.pages.of(pages[start:end]),
-                                      tail_ttl_ms=self.w.cfg.tail_ttl_ms, wait=False)
+            async with self.w.pages.outbound(pages[start:end]) as addrs:
+                slices = await store.ship(alloc, start, end, addrs, tail_ttl_ms=self.w.cfg.tail_ttl_ms, wait=False)
             elapsed = time.perf_counter() - t0
             written = alloc.slots[start:end].states.count(WRITE)
             moved = written * store.block_nbytes

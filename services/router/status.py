@@ -19,7 +19,7 @@ _ROLE = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_
 async def status(router: Router, store_address: str) -> router_pb2.StatusResponse:
     pool = router.pool
     workers = [router_pb2.WorkerStatus(
-        address=w.address, role=_ROLE[w.role], healthy=w.usable, refused_reason=w.refused_reason,
+        address=w.address, role=_ROLE[w.role], healthy=w.usable, refused_reason=w.refused_reason, **w.shown,
         load=common_pb2.WorkerLoad(**{k: int(v) for k, v in w.load.items() if k in _LOAD_FIELDS}))
         for w in sorted(pool.workers.values(), key=lambda w: (w.role, w.worker_id))]
     rates = []

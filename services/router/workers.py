@@ -43,6 +43,7 @@ class WorkerView:
     address: str
     signature: str = ""  # the registration's `sig`: a new one is judged afresh
     store_node: str = "local"  # the store node it reads and writes KV through (a handoff stays on one node)
+    shown: dict = field(default_factory=dict)  # its device and KV path, for Status only
     load: dict = field(default_factory=dict)
     healthy: bool = False
     checked: bool = False  # its health was asked at least once
@@ -183,7 +184,7 @@ class WorkerPool:
 
     def _new_view(self, wid: str, rec: dict) -> WorkerView:
         view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""),
-                          rec.get("store_node") or "local")
+                          rec.get("store_node") or "local", {k: rec.get(k, "") for k in ("device", "kv_path")})
         if self.service_token:
             view.refused_reason = signature_problem(self.service_token, wid, rec)
         if not view.refused_reason and rec.get("profile") != self.profile_json:

@@ -228,7 +228,7 @@ def test_a_service_without_a_service_token_refuses_to_start_and_insecure_is_expl
     from tests.kvstore_support import FINGERPRINT_FLAG, LAYOUT_FLAG
     from tests.support.procs import ServiceProcess
 
-    flags = ("--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG, "--device", "host",
+    flags = ("--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG,
              "--device-bytes", str(1 << 20), "--dram-bytes", str(1 << 20), "--redis-url", shared_redis_url,
              "--key-prefix", key_prefix, "--grace-s", "1")
     bare = ServiceProcess("services.kvstore", *flags, env={"PDSERVE_SERVICE_TOKEN": ""}).spawn()

@@ -21,7 +21,7 @@ def test_a_stuck_step_stops_the_worker_and_fails_its_request_fast(shared_redis_u
     s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}")
     from pdserve.runtime.launch import ServiceProcess
 
-    s.store = ServiceProcess("services.kvstore", "--model", "tiny", "--engine", "mock", "--device", "host",
+    s.store = ServiceProcess("services.kvstore", "--model", "tiny", "--engine", "mock",
                              "--device-bytes", str(16 * MIB), "--dram-bytes", str(16 * MIB), *s.common()).start()
     # Every step of this decode worker takes a minute: the first one is stuck past its 1 s bound.
     decode = s.worker("decode", "--engine", "mock", "--mock-cost", '{"step_ms": 60000}',

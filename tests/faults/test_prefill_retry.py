@@ -27,7 +27,7 @@ SLOW = '{"prefill_ms_per_token": 40}'  # a 100-token prompt takes 4 s on p0: tim
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_prefill_lost_before_the_first_token_is_retried_on_another(shared_redis_url, tiny, sig):
     s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}")
-    s.store = ServiceProcess("services.kvstore", "--model", "tiny", "--engine", "mock", "--device", "host",
+    s.store = ServiceProcess("services.kvstore", "--model", "tiny", "--engine", "mock",
                              "--device-bytes", str(16 * MIB), "--dram-bytes", str(32 * MIB), *s.common()).start()
     procs = [s.worker("prefill", "--engine", "mock", "--mock-cost", SLOW, "--worker-id", "p0-slow").spawn(),
              s.worker("prefill", "--engine", "mock", "--worker-id", "p1").spawn(),

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def _store(s: Stack, port: int) -> ServiceProcess:
-    return ServiceProcess("services.kvstore", "--model", "tiny", "--device", "host", "--port", str(port),
+    return ServiceProcess("services.kvstore", "--model", "tiny", "--port", str(port),
                           "--device-bytes", str(32 * MIB), "--dram-bytes", str(32 * MIB), *s.common()).start()
 
 

@@ -29,7 +29,7 @@ class Stack:
         return [*redis, "--key-prefix", self.key_prefix, "--grace-s", "1"]
 
     def start_store(self, lease_ms: int = 3000, device_mib: int = 64, dram_mib: int = 128) -> ServiceProcess:
-        self.store = ServiceProcess("services.kvstore", "--model", self.model, "--device", "host",
+        self.store = ServiceProcess("services.kvstore", "--model", self.model,
                                     "--device-bytes", str(device_mib * MIB), "--dram-bytes", str(dram_mib * MIB),
                                     "--lease-ms", str(lease_ms), *self.common(), env=self.env).start()
         return self.store
