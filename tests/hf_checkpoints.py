@@ -29,6 +29,8 @@ def _make(kind: str):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         return LlamaForCausalLM(cfg)
+    if kind == "llama_plain":  # no RoPE scaling: what the GGUF conversion covers
+        return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False))
     if kind == "llama_linear":
         cfg = LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
         return LlamaForCausalLM(cfg)

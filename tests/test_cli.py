@@ -52,6 +52,8 @@ def test_bench_engine_json_format():
     assert [(d["batch"], d["context"]) for d in doc["decode"]] == [(1, 32), (16, 32)]
     names = [t["name"] for t in doc["targets"]]
     assert names == ["decode_batch16_vs_transformers_min", "prefill_vs_transformers_min"]
+    # No llama.cpp column for tiny (no files to convert), or without the peer extra: said so, no figure.
+    assert set(doc["llama_cpp"]) == {"skipped"} and not any("llama_cpp" in r for r in doc["decode"])
     for t in doc["targets"]:
         assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
         assert t["met"] == (t["value"] >= t["target"])

@@ -1,14 +1,18 @@
-"""`pdserve bench engine`: our engine against HF transformers generate(), same model, same process."""
+"""`pdserve bench engine`: our engine against HF transformers generate() and llama.cpp (the `peer`
+extra), the same weights in the same process, alternating."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+from pdserve.bench.engine_peer import start_peers
 from pdserve.bench.hf_baseline import to_transformers
 from pdserve.bench.report import Target, emit, median
+from pdserve.bench.shapes import checkpoint_for
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.device import describe, resolve_device
 from pdserve.engine.engine import LLMEngine
@@ -78,54 +82,102 @@ def hf_decode(hf, loaded: LoadedModel, batch: int, context: int, steps: int) -> 
     return batch * steps / (_hf_generate(hf, ids, steps + 1) - _hf_generate(hf, ids, 1))
 
 
-def _interleaved(ours, theirs, repeats: int) -> tuple[float, float]:
-    """Median of `repeats` alternating runs, so machine noise hits both sides alike."""
-    a, b = [], []
+def _interleaved(sides: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each side's figures over `repeats` alternating rounds, so machine noise hits all alike."""
+    got: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
-        a.append(ours())
-        b.append(theirs())
-    return median(a), median(b)
+        for name, measure in sides.items():
+            got[name].append(measure())
+    return got
+
+
+def _row(got: dict[str, list[float]]) -> dict:
+    """pdserve's median and min, each baseline's median, llama.cpp's best setting, the ratios."""
+    ours = got.pop("pdserve")
+    row = {"pdserve_tok_s": round(median(ours), 1), "pdserve_min_tok_s": round(min(ours), 1)}
+    if "transformers" in got:
+        theirs = median(got.pop("transformers"))
+        row |= {"transformers_tok_s": round(theirs, 1), "ratio": round(median(ours) / theirs, 3)}
+    if got:  # llama.cpp, one entry per setting: the best one's median is the bar
+        best = max(got, key=lambda k: median(got[k]))
+        row |= {"llama_cpp": {k: {"median_tok_s": round(median(v), 1), "min_tok_s": round(min(v), 1)}
+                              for k, v in got.items()},
+                "llama_cpp_best": best, "vs_llama_cpp": round(median(ours) / median(got[best]), 3)}
+    return row
+
+
+def _say(what: str, row: dict) -> str:
+    parts = [f"{what}: pdserve {row['pdserve_tok_s']:9.0f} tok/s"]
+    if "transformers_tok_s" in row:
+        parts.append(f"transformers {row['transformers_tok_s']:8.0f} (x{row['ratio']:.2f})")
+    if "vs_llama_cpp" in row:
+        parts.append(f"llama.cpp {row['llama_cpp'][row['llama_cpp_best']]['median_tok_s']:8.0f} "
+                     f"[{row['llama_cpp_best']}] (x{row['vs_llama_cpp']:.2f})")
+    return "  ".join(parts)
 
 
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, parse_dtype(args.dtype))
+    path = checkpoint_for(args.model)
+    loaded = load_model(path, parse_dtype(args.dtype))
     device = resolve_device(args.device)
-    hf = to_transformers(loaded).to(device)
+    hf = None if args.skip_transformers else to_transformers(loaded).to(device)
     dev = str(device)
-    figures: dict = {"model": args.model, "dtype": args.dtype, "device": describe(device),
-                     "threads": torch.get_num_threads(), "decode_steps": args.steps, "prefill": [], "decode": []}
-    lines = [f"engine bench: model={args.model} dtype={args.dtype} device={describe(device)} "
-             f"threads={torch.get_num_threads()}"]
-    for n in args.prefill_lengths:
-        ours, theirs = _interleaved(lambda n=n: ours_prefill(loaded, n, 1, dev),
-                                    lambda n=n: hf_prefill(hf, loaded, n, 1), args.repeats)
-        figures["prefill"].append({"prompt_tokens": n, "pdserve_tok_s": round(ours, 1),
-                                   "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 3)})
-        lines.append(f"prefill {n:>5} tok: pdserve {ours:9.0f} tok/s  transformers {theirs:9.0f} tok/s  "
-                     f"ratio {ours / theirs:.2f}")
-    for ctx in args.contexts:
-        for b in args.batches:
-            ours, theirs = _interleaved(lambda b=b, c=ctx: ours_decode(loaded, b, c, args.steps, dev),
-                                        lambda b=b, c=ctx: hf_decode(hf, loaded, b, c, args.steps), args.repeats)
-            figures["decode"].append({"batch": b, "context": ctx, "pdserve_tok_s": round(ours, 1),
-                                      "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 3)})
-            lines.append(f"decode batch {b:>3} ctx {ctx:>5}: pdserve {ours:8.0f} tok/s  transformers "
-                         f"{theirs:8.0f} tok/s  ratio {ours / theirs:.2f}")
+    threads = torch.get_num_threads()
+    figures: dict = {"model": args.model, "dtype": args.dtype, "device": describe(device), "threads": threads,
+                     "decode_steps": args.steps, "repeats": args.repeats, "prefill": [], "decode": []}
+    lines = [f"engine bench: model={args.model} dtype={args.dtype} device={describe(device)} threads={threads}"]
+    peers, figures["llama_cpp"] = start_peers(path, args, threads, loaded)
+    lines.append(f"llama.cpp: {figures['llama_cpp']}")
+    try:
+        for n in args.prefill_lengths:
+            [p] = _prompts(1, n, loaded.config.vocab_size)
+            sides = {"pdserve": lambda n=n: ours_prefill(loaded, n, 1, dev)}
+            if hf is not None:
+                sides["transformers"] = lambda n=n: hf_prefill(hf, loaded, n, 1)
+            sides |= {label: (lambda peer=peer, p=p: peer.prefill_tok_s(p)) for label, peer in peers.items()}
+            row = {"prompt_tokens": n, **_row(_interleaved(sides, args.repeats))}
+            figures["prefill"].append(row)
+            lines.append(_say(f"prefill {n:>5} tok", row))
+        for ctx in args.contexts:
+            for b in args.batches:
+                ps = _prompts(b, ctx, loaded.config.vocab_size)
+                sides = {"pdserve": lambda b=b, c=ctx: ours_decode(loaded, b, c, args.steps, dev)}
+                if hf is not None:
+                    sides["transformers"] = lambda b=b, c=ctx: hf_decode(hf, loaded, b, c, args.steps)
+                sides |= {label: (lambda peer=peer, ps=ps: peer.decode_tok_s(ps, args.steps))
+                          for label, peer in peers.items()}
+                row = {"batch": b, "context": ctx, **_row(_interleaved(sides, args.repeats))}
+                figures["decode"].append(row)
+                lines.append(_say(f"decode batch {b:>3} ctx {ctx:>5}", row))
+    finally:
+        for peer in peers.values():
+            peer.close()
+    emit(figures, targets_of(figures), args.json, lines)
+
+
+def targets_of(figures: dict) -> list[Target]:
     targets = []
-    b16 = [d["ratio"] for d in figures["decode"] if d["batch"] == 16]
+    b16 = [d["ratio"] for d in figures["decode"] if d["batch"] == 16 and "ratio" in d]
     if b16:
         targets.append(Target("decode_batch16_vs_transformers_min", min(b16), "x", 2.0, ">="))
-    if figures["prefill"]:
-        targets.append(Target("prefill_vs_transformers_min", min(p["ratio"] for p in figures["prefill"]),
-                              "x", 0.9, ">="))
-    emit(figures, targets, args.json, lines)
+    pre = [p["ratio"] for p in figures["prefill"] if "ratio" in p]
+    if pre:
+        targets.append(Target("prefill_vs_transformers_min", min(pre), "x", 0.9, ">="))
+    for p in figures["prefill"]:
+        if "vs_llama_cpp" in p:
+            targets.append(Target(f"prefill_{p['prompt_tokens']}_vs_llama_cpp", p["vs_llama_cpp"], "x", 1.0, ">="))
+    for d in figures["decode"]:
+        if "vs_llama_cpp" in d and d["batch"] in (1, 16):
+            targets.append(Target(f"decode_batch{d['batch']}_ctx{d['context']}_vs_llama_cpp", d["vs_llama_cpp"],
+                                  "x", 1.0 if d["batch"] == 1 else 1.5, ">="))
+    return targets
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="engine prefill/decode throughput vs transformers generate()")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help="tiny, a built-in random shape (llama-100m) or an HF checkpoint")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N (transformers runs there too)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both (0: torch's default)")
@@ -134,5 +186,10 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-transformers", action="store_true", help="no transformers column (slow at real shapes)")
+    p.add_argument("--peer", default="auto", choices=["auto", "off"],
+                   help="llama.cpp column: auto (when the peer extra is installed and the model converts), off")
+    p.add_argument("--peer-settings", nargs="*", default=["f32", "f16+fa"],
+                   help="llama.cpp settings timed (the best is the bar): KV type f32|f16, +fa for flash attention")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
