@@ -29,6 +29,10 @@ def _make(kind: str):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         return LlamaForCausalLM(cfg)
+    if kind == "llama_100m_2layers":  # the engine bench's 100M shape (pdserve/bench/shapes.py), 2 of its 8 layers
+        shape = dict(COMMON, vocab_size=32_000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                     num_attention_heads=16, num_key_value_heads=4)
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
     if kind == "llama_plain":  # no RoPE scaling: what the GGUF conversion covers
         return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False))
     if kind == "llama_linear":

@@ -139,3 +139,19 @@ def test_a_checkpoint_is_described_as_its_workers_load_it_without_reading_its_we
     assert spec.tokenizer.encode("hi") == loaded.tokenizer.encode("hi")
     assert describe(str(tmp_path / "b")).fingerprint != spec.fingerprint
     assert describe(str(tmp_path / "a"), torch.bfloat16).fingerprint != spec.fingerprint
+
+
+def test_greedy_tokens_at_the_100m_shape_equal_transformers(tmp_path):
+    """The engine bench's realistic shape (hidden 1024, 16 / 4 heads, vocab 32,000; 2 of its
+    layers): prompts around block boundaries, continuously batched, with whatever backend and row
+    ops the runner picks here, give transformers' greedy tokens."""
+    hf_model = make_checkpoint("llama_100m_2layers", tmp_path)
+    engine = LLMEngine(load_model(str(tmp_path)), EngineConfig(num_blocks=64, max_num_batched_tokens=32,
+                                                               device=TEST_DEVICE))
+    prompts = [[(i * 131 + n * 7) % 31_998 for i in range(n)] for n in (15, 16, 17, 40)]
+    ours = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    for prompt, result in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert result.token_ids == out[0, len(prompt):].tolist(), len(prompt)

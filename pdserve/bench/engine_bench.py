@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.bench.engine_peer import start_peers
+from pdserve.bench.engine_profile import lines_of, profile_steps
 from pdserve.bench.hf_baseline import to_transformers
 from pdserve.bench.report import Target, emit, median
 from pdserve.bench.shapes import checkpoint_for
@@ -154,6 +155,10 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for peer in peers.values():
             peer.close()
+    if args.profile:
+        figures["profile"] = profile_steps(loaded, max(args.prefill_lengths, default=512),
+                                           max(args.batches, default=16), min(args.contexts, default=512), dev)
+        lines += lines_of(figures["profile"])
     emit(figures, targets_of(figures), args.json, lines)
 
 
@@ -191,5 +196,7 @@ def add_parser(sub) -> None:
                    help="llama.cpp column: auto (when the peer extra is installed and the model converts), off")
     p.add_argument("--peer-settings", nargs="*", default=["f32", "f16+fa"],
                    help="llama.cpp settings timed (the best is the bar): KV type f32|f16, +fa for flash attention")
+    p.add_argument("--profile", action="store_true", help="then profile a prefill and batched decode steps: the ops "
+                                                           "ranked by their own time")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

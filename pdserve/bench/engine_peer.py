@@ -34,7 +34,8 @@ def start_peers(path: str, args: argparse.Namespace, threads: int,
     name = args.model if args.model in SHAPES else f"{Path(path).name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
     gguf = to_gguf(path, cache_dir() / f"{name}.f32.gguf")
     n_seq = max(args.batches, default=1)
-    n_ctx = max(max(args.prefill_lengths, default=0), n_seq * (max(args.contexts, default=0) + args.steps + 8)) + 16
+    per_seq = max(max(args.prefill_lengths, default=0), max(args.contexts, default=0) + args.steps) + 16
+    n_ctx = n_seq * per_seq
     prompt = [(i * 131 + 17) % (loaded.config.vocab_size - 2) for i in range(64)]
     ours = LLMEngine(loaded, EngineConfig(num_blocks=16)).generate(
         [prompt], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))[0].token_ids

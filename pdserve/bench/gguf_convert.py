@@ -34,6 +34,7 @@ def to_gguf(checkpoint: str, out: Path, dtype: str = "f32") -> Path:
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}[dtype]
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_context_length(cfg.max_position_embeddings)

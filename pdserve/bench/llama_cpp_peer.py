@@ -37,7 +37,8 @@ class PeerSettings:
 
 
 class LlamaCpp:
-    """One llama.cpp model and context; `n_ctx` tokens over at most `n_seq` sequences."""
+    """One llama.cpp model and context; `n_ctx` tokens over at most `n_seq` sequences, each
+    sequence given n_ctx / n_seq of them."""
 
     def __init__(self, gguf_path: str, n_ctx: int, n_seq: int, settings: PeerSettings, n_batch: int = 2048):
         import llama_cpp as lc
@@ -53,7 +54,9 @@ class LlamaCpp:
         p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else \
             lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = GGML_TYPE[settings.kv_type]
-        p.kv_unified = True
+        # One KV stream per sequence (llama.cpp's default): in a unified cache each sequence's
+        # attention would span every sequence's cells, masked.
+        p.kv_unified = False
         self.ctx = lc.llama_init_from_model(self.model, p)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create its context")
