@@ -187,5 +187,5 @@ print("TOKENS", engine.generate([[5, 6, 7] * 11], SamplingParams(max_tokens=6, i
 def test_unknown_attention_backend_is_refused():
     from pdserve.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, kernel, torch"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, kernel, flash, torch"):
         EngineConfig(attention_backend="cuda")
