@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -21,9 +22,28 @@ BLOCK = LAYOUT.block_nbytes
 FENCE_MS = 300  # the test stores' quarantine of abandoned write slots (a long one: a test says so)
 
 
+# This test process keeps one transfer engine for its life, and the engine caches each peer's
+# descriptor by segment name ("host:rpc_port") for its own: a store started later on a port an
+# earlier one had would be unreachable to it (measured: every write fails). So each store start
+# here takes its transfer ports from a window no earlier start had (Mooncake's default range,
+# 15000-17000, stays for every other process).
+_PORT_WINDOWS = itertools.count(17100, 16)
+
+
+class StoreProcess(ServiceProcess):
+    """A store whose every start gets a transfer-port window of its own."""
+
+    def spawn(self) -> StoreProcess:
+        low = next(_PORT_WINDOWS)
+        if low + 15 > 32000:
+            raise RuntimeError("this test process started more stores than it has port windows for")
+        self.env = {**self.env, "MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(low + 15)}
+        return super().spawn()
+
+
 def start_store(redis_url: str, key_prefix: str, device_blocks: int, dram_blocks: int, lease_ms: int = 2000,
                 extra: tuple[str, ...] = (), fence_ms: int = FENCE_MS) -> ServiceProcess:
-    return ServiceProcess(
+    return StoreProcess(
         "services.kvstore", "--kv-layout", LAYOUT_FLAG, "--model-fingerprint", FINGERPRINT_FLAG,
         "--device-bytes", str(device_blocks * BLOCK), "--dram-bytes", str(dram_blocks * BLOCK),
         "--lease-ms", str(lease_ms), "--redis-url", redis_url, "--key-prefix", key_prefix,
