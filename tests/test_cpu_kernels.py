@@ -100,7 +100,7 @@ def test_row_ops_match_torch():
     assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
 
 
-@pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="the small-batch GEMM is built for AVX-512 only")
+@pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="no AVX-512 or AVX2 + FMA here")
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 256), (16, 1408, 256), (5, 258, 704), (3, 7, 19), (64, 33, 100)])
 def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n)

@@ -154,7 +154,7 @@ SMALL_GEMM_MAX_ROWS = 64
 
 @functools.cache
 def small_gemm_available() -> bool:
-    """The small-batch GEMM is built for AVX-512 CPUs only; elsewhere torch serves every linear."""
+    """The small-batch GEMM is built for AVX-512 or AVX2 + FMA CPUs; elsewhere torch serves every linear."""
     return unbuildable() is None and bool(library().small_gemm_available())
 
 
@@ -164,6 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _float_rows(x, "linear")
     m, k = x.shape
     n = weight.shape[0]
+    if not small_gemm_available():
+        raise KernelUnavailable("the small-batch GEMM needs AVX-512F or AVX2 with FMA; this CPU has neither")
     if m > SMALL_GEMM_MAX_ROWS or weight.shape != (n, k) or weight.dtype != torch.float32 \
             or not weight.is_contiguous() or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
         raise ValueError(f"linear: {tuple(x.shape)} @ {tuple(weight.shape)}^T is not a small float32 GEMM")

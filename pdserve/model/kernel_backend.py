@@ -73,7 +73,7 @@ class CpuKernelBackend(TorchBackend):
 
 class CpuKernelOps(TorchOps):
     """The C row ops, float32 only (the runner picks them for float32 models only). Linears of
-    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), or on CPUs without AVX-512, stay torch's."""
+    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), or on CPUs without AVX-512 or AVX2, stay torch's."""
 
     def __init__(self) -> None:
         self._small_gemm = cpu_kernels.small_gemm_available()

@@ -3,92 +3,104 @@
  *
  * At decode batch sizes the weights are read once per step and come from DRAM (the KV cache
  * streamed through the caches since the last step). The BLAS GEMV/GEMM paths read them at a
- * third of the machine's stream bandwidth here; this kernel streams each thread's weight rows
- * with software prefetch a few row blocks ahead, and keeps x in L1: tiles of 4 x rows by 4
- * weight rows, 16 AVX-512 accumulators along k, each reduced once at the end.
+ * fraction of the machine's stream bandwidth; this kernel streams each thread's weight rows with
+ * software prefetch a few row blocks ahead, and keeps x in L1: tiles of ROWS x rows by COLS
+ * weight rows, one vector accumulator per output along k, each reduced once at the end.
  *
  * Every output is the same sum in the same order whatever m and whichever tile computes it, so a
- * row's result does not depend on the batch around it. Built only with AVX-512F; elsewhere
+ * row's result does not depend on the batch around it. Built with AVX-512F (16 lanes, 4 x 4
+ * tiles) or AVX2 + FMA (8 lanes, 4 x 2 tiles: AVX2 has 16 vector registers); elsewhere
  * small_gemm_available() says 0 and callers use torch.
  */
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define COLS 4
+typedef __m512 vec;
+typedef __mmask16 tail_mask;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline tail_mask mask_of(int64_t left) { return (__mmask16)((1u << left) - 1u); }
+static inline vec vload_tail(const float *p, tail_mask m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#else
+#define LANES 8
+#define COLS 2
+typedef __m256 vec;
+typedef __m256i tail_mask;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline tail_mask mask_of(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vec vload_tail(const float *p, tail_mask m) { return _mm256_maskload_ps(p, m); }
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define ROWS 4
+#define PREFETCH_BLOCKS 4 /* blocks of COLS weight rows ahead */
 
 int small_gemm_available(void) { return 1; }
 
-#define PREFETCH_BLOCKS 4 /* row blocks of w ahead */
-
-static inline void tile(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t k,
+/* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch `ahead_rows` rows further
+ * down w. The lanes past k (the last, masked chunk) add zeros. */
+static inline void tile(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t cols, int64_t k,
                         int64_t ahead_rows, float *out, int64_t out_stride, const float *bias) {
-    /* rows (1..4) of x against 4 rows of w; prefetch `ahead_rows` rows further down w. */
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    vec acc[ROWS][COLS];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < COLS; c++) acc[r][c] = vzero();
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m512 wv[4];
-        for (int c = 0; c < 4; c++) {
+    for (; i + LANES <= k; i += LANES) {
+        vec wv[COLS];
+        for (int c = 0; c < cols; c++) {
             if (ahead_rows) _mm_prefetch((const char *)(w + (ahead_rows + c) * k + i), _MM_HINT_T0);
-            wv[c] = _mm512_loadu_ps(w + c * k + i);
+            wv[c] = vload(w + c * k + i);
         }
         for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_loadu_ps(x + r * x_stride + i);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            const vec xv = vload(x + r * x_stride + i);
+            for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
         }
     }
-    if (i < k) { /* the last partial chunk, masked: the lanes past k add zeros */
-        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1u);
-        __m512 wv[4];
-        for (int c = 0; c < 4; c++) wv[c] = _mm512_maskz_loadu_ps(mask, w + c * k + i);
+    if (i < k) {
+        const tail_mask mask = mask_of(k - i);
+        vec wv[COLS];
+        for (int c = 0; c < cols; c++) wv[c] = vload_tail(w + c * k + i, mask);
         for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * x_stride + i);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            const vec xv = vload_tail(x + r * x_stride + i, mask);
+            for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 4; c++)
-            out[r * out_stride + c] = _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[c] : 0.0f);
-}
-
-/* One weight row against up to 4 x rows (the n % 4 rows left over): the same sums. */
-static inline void row(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t k,
-                       float *out, int64_t out_stride, const float *bias) {
-    __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        const __m512 wv = _mm512_loadu_ps(w + i);
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * x_stride + i), wv, acc[r]);
-    }
-    if (i < k) {
-        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1u);
-        const __m512 wv = _mm512_maskz_loadu_ps(mask, w + i);
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + r * x_stride + i), wv, acc[r]);
-    }
-    for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[0] : 0.0f);
+        for (int c = 0; c < cols; c++)
+            out[r * out_stride + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
 void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
                     int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t blocks = n / 4;
+    const int64_t blocks = (n + COLS - 1) / COLS; /* the last may hold fewer than COLS rows */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const float *wb = w + b * 4 * k;
+        const float *wb = w + b * COLS * k;
+        const int64_t cols = n - b * COLS < COLS ? n - b * COLS : COLS;
         /* Prefetch within this thread's share of w: static scheduling gives each a contiguous run. */
-        const int64_t ahead = b + PREFETCH_BLOCKS < blocks ? PREFETCH_BLOCKS * 4 : 0;
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-            const int64_t rows = m - r0 < 4 ? m - r0 : 4;
-            tile(x + r0 * x_stride, x_stride, rows, wb, k, r0 == 0 ? ahead : 0, out + r0 * out_stride + b * 4,
-                 out_stride, bias ? bias + b * 4 : 0);
+        const int64_t ahead = b + PREFETCH_BLOCKS < blocks - 1 ? PREFETCH_BLOCKS * COLS : 0;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
+            tile(x + r0 * x_stride, x_stride, rows, wb, cols, k, r0 == 0 ? ahead : 0,
+                 out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0);
         }
     }
-    for (int64_t c = blocks * 4; c < n; c++)
-        for (int64_t r0 = 0; r0 < m; r0 += 4)
-            row(x + r0 * x_stride, x_stride, m - r0 < 4 ? m - r0 : 4, w + c * k, k, out + r0 * out_stride + c,
-                out_stride, bias ? bias + c : 0);
 }
 
 #else
