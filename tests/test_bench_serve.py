@@ -13,6 +13,7 @@ import pytest
 from pdserve.bench import workloads
 from pdserve.bench.serve_stats import Record, attainment, goodput, lru_hit_ratio, percentile, summarize
 from pdserve.kv.hashing import block_hashes
+from services.router.policy import over_slo
 from tests.support.procs import ROOT
 from tests.support.stack import Stack
 
@@ -65,6 +66,16 @@ def test_percentiles_attainment_and_goodput_on_known_inputs():
     s = summarize(recs + failed, wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
     assert (s["errors"], s["refused"], s["other_errors"]) == (4, 2, 2)
     assert s["refusal_ms"] == {"p50": 3.0, "p99": pytest.approx(3.98)}
+    # Each refusal under the rule that made it, from the router's own messages.
+    said = [over_slo(2500, 0, 2000), over_slo(1500, 800, 2000), "no decode worker can admit 3 KV blocks now (2 "
+            "healthy), and 64 requests are already queued for room: retry in about 2000 ms",
+            "no decode worker can admit 3 KV blocks now (2 healthy) after 2 s in the admission queue"]
+    why = [Record(0, 10, 4, error=f"ResourceExhausted: RESOURCE_EXHAUSTED: {m}", error_ms=ms)
+           for m, ms in zip(said, (1.0, 800.0, 2.0, 2000.0), strict=True)]
+    s = summarize(why + failed[2:], wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
+    assert {k: (v["n"], v["p50_ms"]) for k, v in s["refusals_by_reason"].items()} == {
+        "over_slo": (1, 1.0), "over_slo_after_queueing": (1, 800.0), "queue_full": (1, 2.0),
+        "queue_timeout": (1, 2000.0)}
 
 
 def test_pooled_lru_bound_on_a_handmade_trace():

@@ -277,3 +277,68 @@ def test_a_prefill_is_paired_with_a_decode_of_its_own_store_node():
     route = asyncio.run(Router.route(router, list(range(1024)), [], SamplingParams(max_tokens=8)))
     assert (route.prefill.worker_id, route.decode.worker_id) == ("pb", "db")
     assert asked[-1] == {"pb": "B"}
+
+
+def test_a_wait_longer_than_the_request_may_wait_is_refused_before_it_queues():
+    """Logic test of AdmissionQueue alone (its `attempt` a fake with a room counter): with no
+    admissions lately, a request that finds no room queues; once queued requests got room at a
+    measured rate, one whose budget (its SLO's, or the queue timeout) is shorter than the queue
+    ahead over that rate is refused at once (never queued, with the wait in its retry hint),
+    and one with a longer budget queues."""
+    import asyncio
+    import math
+    import time
+
+    import pytest
+
+    from pdserve.errors import ResourceExhausted
+    from services.router.admission import AdmissionQueue, NoRoom
+    from services.router.metrics import Metrics
+
+    async def main():
+        metrics = Metrics()
+        q = AdmissionQueue(max_queued=100, timeout_s=2.0, metrics=metrics)
+        room = 0
+
+        def attempt(budget_s: float):
+            async def once():
+                nonlocal room
+                if room:
+                    room -= 1
+                    return "admitted"
+                e = NoRoom("no decode worker can admit 3 KV blocks now (1 healthy)")
+                e.budget_s = budget_s
+                raise e
+            return once
+
+        deadline = time.monotonic() + 60
+        assert q.expected_wait_s() == 0.0
+        first = asyncio.create_task(q.admit(attempt(0.01), deadline))  # no history: queues however short
+        await asyncio.sleep(0.1)
+        assert q.queued == 1
+        room = 1
+        q.room_freed()
+        assert await first == "admitted"
+        waiters = [asyncio.create_task(q.admit(attempt(math.inf), deadline)) for _ in range(12)]
+        for _ in range(4):  # 4 of them get room over about 0.4 s
+            await asyncio.sleep(0.1)
+            room += 1
+            q.room_freed()
+        await asyncio.sleep(0.02)
+        assert q.queued == 8 and room == 0
+        wait_s = q.expected_wait_s()
+        assert 0.3 < wait_s < 2.0, wait_s  # 9 places over about 5 admitted in about 0.5 s
+        with pytest.raises(ResourceExhausted, match=r"queued for room it would wait about \d+ ms, longer than the "
+                                                    r"100 ms its TTFT SLO leaves: retry in about") as refused:
+            await q.admit(attempt(0.1), deadline)
+        assert not isinstance(refused.value, NoRoom) and q.queued == 8
+        assert metrics.counters["refused_expected_wait"] == 1
+        late = asyncio.create_task(q.admit(attempt(30.0), deadline))  # within the 2 s queue timeout: it queues
+        await asyncio.sleep(0.02)
+        assert q.queued == 9
+        room = 9
+        q.room_freed()
+        assert await asyncio.gather(late, *waiters) == ["admitted"] * 13
+        assert q.queued == 0 and room == 0
+
+    asyncio.run(main())

@@ -61,15 +61,21 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
     try:
         for k, rate in enumerate(rates or [args.rate]):
             load = with_poisson_arrivals(fresh(reqs, k), rate) if rate else reqs
+            client_lag: list[float] = []
             records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
-                                                 not args.json))
+                                                 not args.json, client_lag))
             if rate and rates:
                 sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
-        gauges = dep.router_gauges()
+        samples = dep.router_metrics()
+        gauges = dep.gauges(samples)
         stores = dep.store_stats()
     finally:
         dep.stop()
     summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+    # Where a client-side figure waited: in the router itself, on its loop, or on the client's loop.
+    summary["router_refusal_ms"] = dep.histogram_quantiles(samples, "refusal_ms")
+    summary["router_loop_lag_ms"] = dep.histogram_quantiles(samples, "loop_lag_ms")
+    summary["client_loop_lag_ms"] = {f"p{q}": percentile(client_lag, q) for q in (50, 99)}
     route_ms = [r.route_ms for r in records if r.ok]
     return {"mode": spec.mode, "policy": spec.policy, "engine": spec.engine, "prefill": spec.prefill,
             "decode": spec.decode, "summary": summary, "block_hit_ratio": block_hit_ratio(records, spec.block_size),
@@ -103,6 +109,19 @@ def markdown(doc: dict) -> str:
                      f"{s['itl_ms']['p99']:.1f} | {r['block_hit_ratio']:.1%} ({r['hit_breakdown']['expected']:.1%} / "
                      f"{r['hit_breakdown']['best']:.1%}) | {r['route_ms']['p99']:.2f} | "
                      f"{s['slo']['attainment']:.0%} |")
+    for r in doc["runs"]:
+        reasons = r["summary"].get("refusals_by_reason") or {}
+        if reasons:
+            said = "; ".join(f"{k} {v['n']} ({v['p50_ms']:.0f} / {v['p99_ms']:.0f} ms)" for k, v in reasons.items())
+            own = r["summary"].get("router_refusal_ms") or {}
+            if own:
+                said += (f"; in the router itself p50 <= {own['p50_at_most']:g}, p99 <= {own['p99_at_most']:g} ms "
+                         f"(mean {own['mean']:.1f})")
+            lines.append(f"\n{r.get('topology', r['mode'])} {r['policy']}: refused (p50 / p99): {said}")
+        router_lag, client_lag = r["summary"].get("router_loop_lag_ms") or {}, r["summary"].get("client_loop_lag_ms")
+        if router_lag and client_lag:
+            lines.append(f"\n{r.get('topology', r['mode'])} {r['policy']}: event-loop lag p99: router <= "
+                         f"{router_lag['p99_at_most']:g} ms, bench client {client_lag['p99']:.0f} ms")
     for r in doc["runs"]:
         if r["sweep"]:
             pts = ", ".join(f"{rate:g}/s: {a:.0%}" for rate, a in sorted(r["sweep"].items()))

@@ -132,14 +132,31 @@ class Deployment:
                 time.sleep(0.2)
         time.sleep(1.0)  # one heartbeat so the router sees every worker's load
 
-    def router_gauges(self) -> dict[str, float]:
-        """The router's /metrics gauges (its fitted TTFT coefficients among them)."""
+    def router_metrics(self) -> list[tuple[str, float]]:
+        """The router's /metrics samples, (name without `pdserve_`, value)."""
         import urllib.request
 
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return {name[len("pdserve_"):]: float(value) for name, _, value in
-                (line.partition(" ") for line in body.splitlines() if line and not line.startswith("#"))
-                if "{" not in name and not name.endswith(("_count", "_sum", "_total"))}
+        return [(name[len("pdserve_"):], float(value)) for name, _, value in
+                (line.partition(" ") for line in body.splitlines() if line and not line.startswith("#"))]
+
+    @staticmethod
+    def gauges(samples: list[tuple[str, float]]) -> dict[str, float]:
+        """The gauges among /metrics samples (the router's fitted TTFT coefficients among them)."""
+        return {name: v for name, v in samples if "{" not in name and not name.endswith(("_count", "_sum", "_total"))}
+
+    @staticmethod
+    def histogram_quantiles(samples: list[tuple[str, float]], name: str) -> dict[str, float]:
+        """A router histogram's p50 and p99 as its buckets bound them (the upper edge of the bucket
+        the quantile falls in), and its mean; {} when it has no observations."""
+        prefix = f"router_{name}_bucket{{le=\""
+        buckets = [(float(n[len(prefix):-2]), v) for n, v in samples if n.startswith(prefix)]
+        count = next((v for n, v in samples if n == f"router_{name}_count"), 0.0)
+        if not count:
+            return {}
+        total = next(v for n, v in samples if n == f"router_{name}_sum")
+        p50, p99 = (next(le for le, cum in buckets if cum >= q * count) for q in (0.5, 0.99))
+        return {"p50_at_most": p50, "p99_at_most": p99, "mean": total / count, "n": count}
 
     def store_stats(self) -> list[dict]:
         """Each store node's hit and miss counts and its cluster tier's counters."""

@@ -16,6 +16,7 @@ from pdserve.bench.report import emit, machine
 from pdserve.bench.serve_stats import Record, attainment, gather_progress, goodput, summarize
 from pdserve.bench.workloads import BenchRequest
 from pdserve.client import AsyncClient, Result, TokenEvent
+from pdserve.runtime.tasks import cancel_and_wait, measure_loop_lag
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -74,12 +75,18 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
 
 
 async def run_load(router: str, reqs: list[BenchRequest], max_seconds: float, timeout_s: float,
-                   progress: bool = True) -> tuple[list[Record], float]:
-    async with AsyncClient(router, timeout_s=timeout_s) as client:
-        t_start = time.perf_counter()
-        reqs = [r for r in reqs if r.arrival_s <= max_seconds]
-        records = await gather_progress([_one(client, r, t_start, timeout_s) for r in reqs], progress)
-        return records, time.perf_counter() - t_start
+                   progress: bool = True, loop_lag_ms: list[float] | None = None) -> tuple[list[Record], float]:
+    """`loop_lag_ms`: when given, gets how late this client's own event loop ran (its figures
+    include that wait)."""
+    lag = asyncio.create_task(measure_loop_lag(loop_lag_ms.append)) if loop_lag_ms is not None else None
+    try:
+        async with AsyncClient(router, timeout_s=timeout_s) as client:
+            t_start = time.perf_counter()
+            reqs = [r for r in reqs if r.arrival_s <= max_seconds]
+            records = await gather_progress([_one(client, r, t_start, timeout_s) for r in reqs], progress)
+            return records, time.perf_counter() - t_start
+    finally:
+        await cancel_and_wait(lag)
 
 
 def report_markdown(doc: dict) -> str:

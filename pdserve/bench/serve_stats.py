@@ -99,6 +99,22 @@ def goodput(attained_by_rate: dict[float, float], threshold: float = 0.9) -> flo
     return best
 
 
+REFUSAL_REASONS = (  # (what the router's or a worker's message says, the reason reported)
+    ("waiting for decode room exceeds the SLO", "over_slo_after_queueing"),
+    ("exceeds the SLO", "over_slo"),
+    ("already queued for room", "queue_full"),
+    ("queued for room it would wait", "expected_wait"),
+    ("in the admission queue", "queue_timeout"),
+    ("store full", "store_full"),
+    ("decode:", "decode_refused"),
+)
+
+
+def refusal_reason(error: str) -> str:
+    """Which admission rule refused a request, from its error message."""
+    return next((reason for text, reason in REFUSAL_REASONS if text in error), "other")
+
+
 def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
     ok = [r for r in records if r.ok]
     out: dict = {"requests": len(records), "ok": len(ok), "errors": len(records) - len(ok), "wall_s": wall_s}
@@ -114,6 +130,11 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
     refused = [r for r in records if not r.ok and "RESOURCE_EXHAUSTED" in r.error]
     out["refused"], out["other_errors"] = len(refused), out["errors"] - len(refused)
     out["refusal_ms"] = {f"p{q}": percentile([r.error_ms for r in refused], q) for q in (50, 99)}
+    by_reason: dict[str, list[float]] = {}
+    for r in refused:
+        by_reason.setdefault(refusal_reason(r.error), []).append(r.error_ms)
+    out["refusals_by_reason"] = {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
+                                 for k, v in sorted(by_reason.items())}
     out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else 0.0
     out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0
     prompt = sum(r.prompt_tokens for r in ok)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from pdserve import logs
 
@@ -30,3 +31,13 @@ async def bounded_close(client, timeout_s: float = 2.0) -> None:
         await asyncio.wait_for(client.aclose(), timeout_s)
     except (TimeoutError, OSError):
         pass
+
+
+async def measure_loop_lag(observe: Callable[[float], None], period_s: float = 0.02) -> None:
+    """Until cancelled: how late this event loop wakes a sleep of `period_s`, in ms, to `observe`,
+    i.e. how long any ready callback (a new request's handler among them) waits for the loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        observe((loop.time() - t - period_s) * 1e3)

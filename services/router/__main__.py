@@ -15,6 +15,7 @@ from pdserve.model.spec import describe
 from pdserve.runtime import auth
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
+from pdserve.runtime.tasks import cancel_and_wait, measure_loop_lag
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.http.app import build_app
@@ -74,9 +75,11 @@ async def main() -> None:
         write_port_file(cfg.http_port_file, http.port)
         log.info("OpenAI-compatible HTTP API", url=f"http://{cfg.host}:{http.port}/v1",
                  chat_template="yes" if template else "none (chat requests refused)")
+    lag = asyncio.create_task(measure_loop_lag(lambda ms: metrics.observe("loop_lag_ms", ms)), name="loop-lag")
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
+    await cancel_and_wait(lag)
     if http is not None:
         await http.stop()
     router.limits.encoder.close()

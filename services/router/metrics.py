@@ -13,6 +13,8 @@ HELP = {
     "itl_ms": "gap between consecutive tokens",
     "route_ms": "routing decision (prefix look-up in Redis + scoring)",
     "route_lookup_ms": "the prefix look-up's round trip to Redis, part of route_ms",
+    "loop_lag_ms": "how late the router's event loop woke a 20 ms sleep (what every handler waits)",
+    "refusal_ms": "from a request's arrival in the router to its refusal (RESOURCE_EXHAUSTED)",
 }
 
 

@@ -113,6 +113,8 @@ class Router:
         if not colocate and (refusal := over_slo(choice.estimated_ttft_ms, waited_ms, self.cfg.ttft_slo_ms)):
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
+            if self.cfg.ttft_slo_ms and not colocate:
+                no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - choice.estimated_ttft_ms) / 1e3
             raise no_room
         if colocate:
             decode = self.pool.workers[dchoice.worker_id]
@@ -161,7 +163,7 @@ class Router:
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
         self.active.add(request_id)
-        summary, status = None, "OK"
+        summary, status, t0 = None, "OK", time.perf_counter()
         try:
             async for item in self._generate(request_id, ids, params,
                                              self.cfg.deadline_s(len(ids), params.max_tokens, client_deadline_s),
@@ -174,6 +176,8 @@ class Router:
             raise
         except Exception as e:
             status = status_for(e).name
+            if status == "RESOURCE_EXHAUSTED" and summary is None:
+                self.metrics.observe("refusal_ms", (time.perf_counter() - t0) * 1e3)
             raise
         finally:
             self.active.discard(request_id)
