@@ -8,6 +8,7 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader
 
 from pdserve.bench import llama_cpp_peer
@@ -49,6 +50,18 @@ def test_the_gguf_holds_the_same_weights_in_llama_cpps_layout(plain, tmp_path):
     assert np.array_equal(unpermute(k, 2), state[layer + "self_attn.k_proj.weight"])
 
 
+def test_bf16_weights_are_torchs_own_rounding(plain, tmp_path):
+    """The bf16 GGUF holds the bits pdserve's bfloat16 load computes with (round to nearest even)."""
+    path, hf = plain
+    reader = GGUFReader(str(to_gguf(str(path), tmp_path / "m.bf16.gguf", "bf16")))
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "BF16"
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # norms stay f32
+    down = hf.state_dict()["model.layers.0.mlp.down_proj.weight"]
+    bits = np.asarray(tensors["blk.0.ffn_down.weight"].data).view(np.uint16).reshape(down.shape)
+    assert np.array_equal(bits, down.bfloat16().view(torch.int16).numpy().view(np.uint16))
+
+
 def test_conversion_and_settings_refuse_what_they_do_not_cover(tmp_path):
     make_checkpoint("llama", tmp_path / "scaled")
     with pytest.raises(ValueError, match="Llama checkpoints without RoPE scaling"):
@@ -63,7 +76,8 @@ def test_llama_cpp_gives_pdserves_greedy_tokens(plain, tmp_path, monkeypatch):
     path, _ = plain
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     args = argparse.Namespace(peer="auto", model=str(path), dtype="float32", device="cpu", batches=[2],
-                              prefill_lengths=[64], contexts=[32], steps=4, peer_settings=["f32"])
+                              prefill_lengths=[64], contexts=[32], steps=4, peer_settings=["f32"],
+                              linear_weights="auto")
     peers, report = start_peers(str(path), args, 1, load_model(str(path)))
     try:
         assert report["settings"] == {"kv f32": "greedy tokens equal pdserve's"}

@@ -26,15 +26,17 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[(i * 131 + j * 7919 + 17) % (vocab - 2) for i in range(length)] for j in range(batch)]
 
 
-def _engine(loaded: LoadedModel, batch: int, length: int, new_tokens: int, device: str) -> LLMEngine:
+def _engine(loaded: LoadedModel, batch: int, length: int, new_tokens: int, device: str,
+            linear_weights: str = "auto") -> LLMEngine:
     slots = length + new_tokens + 16
     return LLMEngine(loaded, EngineConfig(
         num_blocks=batch * (-(-slots // 16)) + 8, max_num_batched_tokens=max(length, 2048),
-        max_num_seqs=max(batch, 1), enable_prefix_caching=False, device=device))
+        max_num_seqs=max(batch, 1), enable_prefix_caching=False, device=device, linear_weights=linear_weights))
 
 
-def ours_prefill(loaded: LoadedModel, length: int, repeats: int, device: str = "cpu") -> float:
-    engine = _engine(loaded, 1, length, 1, device)
+def ours_prefill(loaded: LoadedModel, length: int, repeats: int, device: str = "cpu",
+                 linear_weights: str = "auto") -> float:
+    engine = _engine(loaded, 1, length, 1, device, linear_weights)
     [p] = _prompts(1, length, loaded.config.vocab_size)
     times = []
     for _ in range(repeats):
@@ -58,8 +60,9 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> f
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def ours_decode(loaded: LoadedModel, batch: int, context: int, steps: int, device: str = "cpu") -> float:
-    engine = _engine(loaded, batch, context, steps + 2, device)
+def ours_decode(loaded: LoadedModel, batch: int, context: int, steps: int, device: str = "cpu",
+                linear_weights: str = "auto") -> float:
+    engine = _engine(loaded, batch, context, steps + 2, device, linear_weights)
     return batch * 1e3 / decode_step_ms(engine, _prompts(batch, context, loaded.config.vocab_size), steps)
 
 
@@ -124,17 +127,20 @@ def run(args: argparse.Namespace) -> None:
     loaded = load_model(path, parse_dtype(args.dtype))
     device = resolve_device(args.device)
     hf = None if args.skip_transformers else to_transformers(loaded).to(device)
-    dev = str(device)
+    dev, lw = str(device), args.linear_weights
     threads = torch.get_num_threads()
+    chosen = _engine(loaded, 1, 16, 1, dev, lw).runner.linear_weights
     figures: dict = {"model": args.model, "dtype": args.dtype, "device": describe(device), "threads": threads,
-                     "decode_steps": args.steps, "repeats": args.repeats, "prefill": [], "decode": []}
-    lines = [f"engine bench: model={args.model} dtype={args.dtype} device={describe(device)} threads={threads}"]
+                     "linear_weights": chosen, "decode_steps": args.steps, "repeats": args.repeats,
+                     "prefill": [], "decode": []}
+    lines = [f"engine bench: model={args.model} dtype={args.dtype} device={describe(device)} threads={threads} "
+             f"linear weights={chosen}"]
     peers, figures["llama_cpp"] = start_peers(path, args, threads, loaded)
     lines.append(f"llama.cpp: {figures['llama_cpp']}")
     try:
         for n in args.prefill_lengths:
             [p] = _prompts(1, n, loaded.config.vocab_size)
-            sides = {"pdserve": lambda n=n: ours_prefill(loaded, n, 1, dev)}
+            sides = {"pdserve": lambda n=n: ours_prefill(loaded, n, 1, dev, lw)}
             if hf is not None:
                 sides["transformers"] = lambda n=n: hf_prefill(hf, loaded, n, 1)
             sides |= {label: (lambda peer=peer, p=p: peer.prefill_tok_s(p)) for label, peer in peers.items()}
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> None:
         for ctx in args.contexts:
             for b in args.batches:
                 ps = _prompts(b, ctx, loaded.config.vocab_size)
-                sides = {"pdserve": lambda b=b, c=ctx: ours_decode(loaded, b, c, args.steps, dev)}
+                sides = {"pdserve": lambda b=b, c=ctx: ours_decode(loaded, b, c, args.steps, dev, lw)}
                 if hf is not None:
                     sides["transformers"] = lambda b=b, c=ctx: hf_decode(hf, loaded, b, c, args.steps)
                 sides |= {label: (lambda peer=peer, ps=ps: peer.decode_tok_s(ps, args.steps))
@@ -185,6 +191,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a built-in random shape (llama-100m) or an HF checkpoint")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N (transformers runs there too)")
+    p.add_argument("--linear-weights", default="auto", choices=["auto", "packed", "plain"],
+                   help="pdserve's linears: reordered for oneDNN, row-major, or the engine's choice")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both (0: torch's default)")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[512, 2048, 4096])
     p.add_argument("--contexts", type=int, nargs="*", default=[512, 2048])

@@ -16,6 +16,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import LoadedModel
 
 CHECK_TOKENS = 16
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}  # the GGUF weights beside pdserve's, per --dtype
 
 
 def parse_setting(text: str, threads: int) -> llama_cpp_peer.PeerSettings:
@@ -32,15 +33,16 @@ def start_peers(path: str, args: argparse.Namespace, threads: int,
     if why:
         return {}, {"skipped": why}
     name = args.model if args.model in SHAPES else f"{Path(path).name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
-    gguf = to_gguf(path, cache_dir() / f"{name}.f32.gguf")
+    weights = GGUF_TYPE[args.dtype]
+    gguf = to_gguf(path, cache_dir() / f"{name}.{weights}.gguf", weights)
     n_seq = max(args.batches, default=1)
     per_seq = max(max(args.prefill_lengths, default=0), max(args.contexts, default=0) + args.steps) + 16
     n_ctx = n_seq * per_seq
     prompt = [(i * 131 + 17) % (loaded.config.vocab_size - 2) for i in range(64)]
-    ours = LLMEngine(loaded, EngineConfig(num_blocks=16)).generate(
+    ours = LLMEngine(loaded, EngineConfig(num_blocks=16, linear_weights=args.linear_weights)).generate(
         [prompt], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))[0].token_ids
     peers: dict[str, llama_cpp_peer.LlamaCpp] = {}
-    report: dict = {"gguf": str(gguf), "greedy_check_tokens": CHECK_TOKENS, "settings": {}}
+    report: dict = {"gguf": str(gguf), "weights": weights, "greedy_check_tokens": CHECK_TOKENS, "settings": {}}
     for text in args.peer_settings:
         settings = parse_setting(text, threads)
         peer = llama_cpp_peer.LlamaCpp(str(gguf), n_ctx, n_seq, settings)
@@ -62,6 +64,6 @@ def _why_not(path: str, args: argparse.Namespace) -> str:
         return why
     if not (Path(path) / "config.json").exists():
         return f"{args.model} has no checkpoint files to convert (use llama-100m or a checkpoint directory)"
-    if args.dtype != "float32" or args.device != "cpu":
-        return "the llama.cpp column is float32 on the CPU only"
+    if args.dtype not in GGUF_TYPE or args.device != "cpu":
+        return "the llama.cpp column is float32 or bfloat16 on the CPU only"
     return ""

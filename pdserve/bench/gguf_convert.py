@@ -1,5 +1,5 @@
 """A Hugging Face Llama checkpoint as a GGUF file for llama.cpp, the engine bench's peer: the
-same weights, f32 (or f16), with a placeholder vocabulary (the bench feeds token ids).
+same weights, f32 (or f16 or bf16), with a placeholder vocabulary (the bench feeds token ids).
 
 Follows llama.cpp's own convert_hf_to_gguf.py for the Llama architecture: its tensor names, and
 q/k rows permuted from HF's rotate-half order to llama.cpp's interleaved RoPE pairs.
@@ -32,8 +32,8 @@ def to_gguf(checkpoint: str, out: Path, dtype: str = "f32") -> Path:
         raise ValueError("the GGUF conversion covers Llama checkpoints without RoPE scaling or biases")
     heads, kv_heads, layers = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
-    np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}[dtype]
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(str(tmp), "llama")
@@ -63,7 +63,13 @@ def to_gguf(checkpoint: str, out: Path, dtype: str = "f32") -> Path:
         if permute_heads:
             a = _permute(a, permute_heads)
         # Norm weights stay f32 in every file type, as llama.cpp's converter keeps them.
-        w.add_tensor(name, a.astype(np.float32 if a.ndim == 1 else np_dtype))
+        if a.ndim == 1 or dtype == "f32":
+            w.add_tensor(name, a.astype(np.float32))
+        elif dtype == "f16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:  # bf16, rounded to nearest even as torch's .bfloat16() rounds pdserve's copy
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
 
     put("token_embd.weight", state["model.embed_tokens.weight"])
     put("output_norm.weight", state["model.norm.weight"])

@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.engine.device import check_device_name
 
 ATTENTION_BACKENDS = ("auto", "kernel", "flash", "torch")
+LINEAR_WEIGHTS = ("auto", "packed", "plain")
 
 
 class Role(enum.Enum):
@@ -34,6 +35,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     # auto | cpu | cuda[:N]: weights, the paged KV cache and sampling live there (device.py).
     device: str = "cpu"
+    # "packed": every linear's weight reordered once into oneDNN's layout (model/packed_linear.py;
+    # CPU, float32 or bfloat16), an error where it cannot be. "plain": nn.Linear's row-major weights
+    # (and, for float32 decode steps, the C small-batch GEMM). "auto": with the "kernel" backend
+    # where oneDNN can, linears of at least 2^20 weights packed (a 1024-wide model's), others plain.
+    linear_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -47,6 +53,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.linear_weights not in LINEAR_WEIGHTS:
+            raise ValueError(f"linear_weights must be one of {', '.join(LINEAR_WEIGHTS)}, "
+                             f"got {self.linear_weights!r}")
         check_device_name(self.device)
         if self.mock_cost is not None and self.device not in ("cpu", "auto"):
             raise ValueError(f"the mock engine runs on the CPU, got device {self.device!r}")

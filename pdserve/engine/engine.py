@@ -76,7 +76,8 @@ class LLMEngine:
             self.runner = MockRunner(self.kv_cache, loaded.config.vocab_size, self.config.mock_cost)
         else:
             loaded.model.to(self.device)
-            self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.attention_backend)
+            self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.attention_backend,
+                                      self.config.linear_weights)
         self._ids = itertools.count()
         self.last_batch: list[str] = []
         self.last_progress: dict[str, int] = {}

@@ -8,7 +8,7 @@ from pdserve import logs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model import flash_backend, kernel_backend
+from pdserve.model import flash_backend, kernel_backend, packed_linear
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, RowOps, SeqPages
 from pdserve.model.llama import Transformer
 from pdserve.model.torch_backend import TorchBackend, TorchOps
@@ -20,11 +20,13 @@ class ModelRunner:
     """Runs one step. Reads sequences, writes only the KV cache pages it was given. Owns the
     attention backend and row ops the model computes with."""
 
-    def __init__(self, model: Transformer, kv_cache: KVCache, attention_backend: str = "auto"):
+    def __init__(self, model: Transformer, kv_cache: KVCache, attention_backend: str = "auto",
+                 linear_weights: str = "auto"):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self.attention_backend, self.row_ops = select_backend(attention_backend, kv_cache)
+        self.linear_weights = place_linear_weights(linear_weights, model, kv_cache, self.attention_backend.name)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> dict[str, tuple[int, float]]:
@@ -94,3 +96,19 @@ def select_backend(requested: str, kv_cache: KVCache) -> tuple[AttentionBackend,
         else:
             log.warning("attention falls back to gathered pages + SDPA (slower)", device=str(device), reason=why_not)
     return chosen
+
+
+def place_linear_weights(requested: str, model: Transformer, kv_cache: KVCache, backend: str) -> str:
+    """EngineConfig.linear_weights made real on `model` (shared by every engine built on it):
+    "packed" or "plain", as chosen. "auto" packs, with the CPU kernel backend where oneDNN can, the
+    linears of at least packed_linear.AUTO_MIN_WEIGHTS weights: "packed" when it packed any."""
+    why_not = packed_linear.unavailable(kv_cache.tensor.device, kv_cache.tensor.dtype)
+    if requested == "packed" and why_not:
+        raise ValueError(f"linear_weights 'packed' is unavailable: {why_not}")
+    if requested == "packed":
+        packed_linear.pack_linears(model)
+        return "packed"
+    if requested == "auto" and backend == "kernel" and why_not is None:
+        return "packed" if packed_linear.pack_linears(model, packed_linear.AUTO_MIN_WEIGHTS) else "plain"
+    packed_linear.unpack_linears(model)
+    return "plain"

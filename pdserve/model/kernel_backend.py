@@ -73,13 +73,15 @@ class CpuKernelBackend(TorchBackend):
 
 class CpuKernelOps(TorchOps):
     """The C row ops, float32 only (the runner picks them for float32 models only). Linears of
-    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), or on CPUs without AVX-512 or AVX2, stay torch's."""
+    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), reordered for oneDNN, or on CPUs without
+    AVX-512 or AVX2, stay the module's own."""
 
     def __init__(self) -> None:
         self._small_gemm = cpu_kernels.small_gemm_available()
 
-    def linear(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self._small_gemm and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
+    def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # A PackedLinear (EngineConfig.linear_weights) has no row-major weight for the C GEMM.
+        if self._small_gemm and type(mod) is nn.Linear and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.linear(x, mod.weight, mod.bias)
         return mod(x)
 

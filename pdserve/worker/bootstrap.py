@@ -59,7 +59,8 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     engine = LLMEngine(model, EngineConfig(role=role, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                                            max_num_batched_tokens=cfg.max_num_batched_tokens,
                                            max_num_seqs=cfg.max_num_seqs, mock_cost=mock, device=cfg.device,
-                                           attention_backend=cfg.attention_backend))
+                                           attention_backend=cfg.attention_backend,
+                                           linear_weights=cfg.linear_weights))
     transfer = Transfer(cfg.te_host, cfg.te_protocol)
     longest = -(-engine.max_model_len // cfg.block_size)
     pages = kv_pages(engine.kv_cache, transfer, cfg.kv_path, cfg.kv_staging_blocks or 4 * longest,
@@ -72,7 +73,8 @@ async def start_worker(cfg: WorkerConfig, role: Role) -> Worker:
     thread.start()
     device = describe(engine.device)
     attention = getattr(getattr(engine.runner, "attention_backend", None), "name", "none (mock)")
+    linears = getattr(engine.runner, "linear_weights", "none (mock)")
     log.info("worker ready", role=role.value, model=cfg.model, fingerprint=model.fingerprint[:12], device=device,
-             kv_path=pages.path, attention=attention, num_blocks=cfg.num_blocks, store=cfg.store, store_node=info.node,
-             segment=transfer.segment)
+             kv_path=pages.path, attention=attention, linears=linears, num_blocks=cfg.num_blocks, store=cfg.store,
+             store_node=info.node, segment=transfer.segment)
     return Worker(cfg, role, model, thread, engine.profile, transfer, store, pages, info.node, device)
