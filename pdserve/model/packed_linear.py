@@ -5,7 +5,7 @@ decode step's few rows then stream it at a fraction of the cores' FMA rate. A we
 once (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's CPU freezing pass uses) is
 read by oneDNN's GEMM as it is laid out, for any number of rows: prompt chunks and decode steps
 alike. The reordered tensor replaces the plain one, so the model still holds one copy of its
-weights. What it bought, against torch and the C small-batch kernel: docs/perf-log.md, S24.
+weights. What it bought, against torch and the C small-batch kernel: docs/perf-log.md, S24 and S26.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 # oneDNN picks the blocked layout for this many rows; the layout serves any row count.
 BATCH_HINT = 16
 # "auto" packs a linear of at least this many weights: below it (the tiny model's 256-wide
-# layers) oneDNN's per-call cost outweighs its reads, and the plain path was faster (perf-log S26).
+# layers) oneDNN's per-call cost outweighs its reads, and the plain path was faster (docs/perf-log.md, S26).
 AUTO_MIN_WEIGHTS = 1 << 20
 DTYPES = (torch.float32, torch.bfloat16)
 
