@@ -44,8 +44,9 @@ def _compiler() -> str:
     raise NativeUnavailable("no C compiler found (set CC, or install gcc: apt-get install gcc)")
 
 
-def _build(name: str, sources: list[Path], flags: list[str], link_flags: list[str]) -> Path:
-    """The shared object `name` built from `sources` (built now if this machine has none yet)."""
+def shared_object(name: str, sources: list[Path], flags: list[str], link_flags: list[str]) -> Path:
+    """The path of the shared object `name` built from `sources` (built now if this machine has
+    none yet), not loaded: for LD_PRELOAD, say."""
     cc = _compiler()
     key = hashlib.sha256(b"".join(src.read_bytes() for src in sources) + " ".join([cc, *flags, *link_flags]).encode()
                          + _cpu_key().encode()).hexdigest()
@@ -71,4 +72,4 @@ def _build(name: str, sources: list[Path], flags: list[str], link_flags: list[st
 
 def build(name: str, sources: list[Path], flags: list[str], link_flags: list[str]) -> ctypes.CDLL:
     """The library `name` built from `sources`, loaded with ctypes."""
-    return ctypes.CDLL(str(_build(name, sources, flags, link_flags)))
+    return ctypes.CDLL(str(shared_object(name, sources, flags, link_flags)))

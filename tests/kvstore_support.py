@@ -65,7 +65,9 @@ def spawn_peer(op: str, store: str, *flags: str) -> subprocess.Popen:
 
 def wait_ready(proc: subprocess.Popen) -> str:
     line = proc.stdout.readline()
-    assert line.startswith("READY"), proc.stderr.read()[-3000:]
+    if not line.startswith("READY"):
+        proc.kill()  # before reading its stderr to the end: a live peer would block that forever
+        raise AssertionError(f"peer said {line!r} before READY: {proc.communicate()[1][-3000:]}")
     return line
 
 

@@ -23,6 +23,7 @@ from pdserve.runtime.launch import MooncakeMaster
 from services.kvstore.cluster import TRAILER, object_key
 from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, wait_for
+from tests.support.procs import listening
 
 SEGMENT = 16 << 20  # Mooncake's least
 
@@ -83,6 +84,12 @@ def test_blocks_leaving_one_node_are_served_by_another_bit_exact(shared_redis_ur
 
         # A chain that goes on past what the cluster holds: the run it holds, then a miss.
         assert _get(cb, 1, [0, 1, 2, 3, 8, 9]) == (4, [True] * 4)
+
+        # Every port of the nodes (their cluster clients' transfer engines too) and of the master
+        # listens on the configured host only (runtime.bind_host).
+        for pid in (a.proc.pid, b.proc.pid, master.proc.pid):
+            assert {addr for addr, _ in listening(pid)} == {"127.0.0.1"}, listening(pid)
+        assert len(listening(a.proc.pid)) >= 5  # gRPC, the store's engine (2), the cluster client's (2)
     finally:
         a.stop()
         b.stop()

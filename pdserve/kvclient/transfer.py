@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import logs
+from pdserve.runtime import bind_host
 
 log = logs.get("kv.transfer")
 
@@ -80,7 +81,8 @@ class Transfer:
                 "(CPU) or mooncake-transfer-engine (CUDA), and Debian's libibverbs1"
             ) from e
         self.engine = TransferEngine()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        with bind_host.confined(host):  # its ports on `host`, not on every address
+            rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             raise TransferError(f"transfer engine failed to initialize on {host} ({protocol}): rc={rc}")
         self.segment = f"{host}:{self.engine.get_rpc_port()}"

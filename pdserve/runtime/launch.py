@@ -12,6 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.native import NativeUnavailable
+from pdserve.runtime import bind_host
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (services run from it with -m)
 
 
@@ -24,6 +27,15 @@ def die_with_parent() -> list[str]:
     inside gRPC.) Without setpriv the launcher's own cleanup still stops its children."""
     exe = shutil.which("setpriv")
     return [exe, "--pdeathsig", "TERM", "--"] if exe else []
+
+
+def _preload() -> dict[str, str]:
+    """The bind interposer preloaded (runtime.bind_host), so a service need not re-execute itself
+    to get it; where it cannot be built, the service says why when it starts."""
+    try:
+        return bind_host.preload_env()
+    except NativeUnavailable:
+        return {}
 
 
 def free_port() -> int:
@@ -108,7 +120,7 @@ class ServiceProcess:
         self.port_file = os.path.join(self.tmp, "port")
         self.log_path = os.path.join(log_dir or self.tmp, f"{self.name}.log" if log_dir else "log")
         self.args = [*die_with_parent(), sys.executable, "-m", module, "--port-file", self.port_file, *flags]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, **_preload(), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._log = None

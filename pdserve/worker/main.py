@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2
 
 from pdserve import logs
 from pdserve.engine.config import Role
+from pdserve.runtime import bind_host
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.worker.bootstrap import Worker, start_worker
@@ -25,6 +26,7 @@ def serve_worker(role: Role, make_servicer: Callable[[Worker], object], add_to_s
 
     async def main() -> None:
         cfg = parse_config(WorkerConfig, f"python -m services.{role.value}")
+        bind_host.require(cfg.te_host)  # before anything else starts: it may re-execute the process
         pin_cpus(cfg.cpus)  # before the engine's, the transfer engine's and gRPC's threads start
         worker = await start_worker(cfg, role)
         servicer = make_servicer(worker)

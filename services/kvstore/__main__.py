@@ -13,7 +13,7 @@ from pdserve.kv.hashing import root_hash
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kvclient.transfer import Transfer
 from pdserve.model.config import parse_dtype
-from pdserve.runtime import gc_tuning
+from pdserve.runtime import bind_host, gc_tuning
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -41,6 +41,7 @@ def hash_profile(cfg: KVStoreConfig) -> HashProfile:
 
 async def main() -> None:
     cfg = parse_config(KVStoreConfig, "python -m services.kvstore")
+    bind_host.require(cfg.te_host)
     pin_cpus(cfg.cpus)
     profile = hash_profile(cfg)
     block_nbytes = profile.layout.block_nbytes

@@ -34,6 +34,7 @@ import torch
 
 from pdserve import logs
 from pdserve.kv.checksum import checksum_at
+from pdserve.runtime import bind_host
 
 log = logs.get("kvstore.cluster")
 
@@ -141,8 +142,9 @@ class ClusterTier:
 
         while not self._closed.is_set():
             client = MooncakeDistributedStore()
-            rc = client.setup(self.cfg.local_host, self.cfg.metadata_server, self.cfg.segment_bytes,
-                              16 << 20, self.cfg.protocol, "", self.cfg.master)
+            with bind_host.confined(self.cfg.local_host):  # its transfer engine's ports on the host
+                rc = client.setup(self.cfg.local_host, self.cfg.metadata_server, self.cfg.segment_bytes,
+                                  16 << 20, self.cfg.protocol, "", self.cfg.master)
             if rc == 0:
                 self._ready(client)
                 return

@@ -4,17 +4,16 @@ not at the call's deadline; what a service listens on; Redis with a password end
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 import uuid
 
 from pdserve.client import Client
 from pdserve.runtime.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, channel
-from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2
 from tests.kvstore_support import start_store
-from tests.support.procs import RedisServer
-from tests.support.stack import Stack
+from tests.support.procs import RedisServer, listening
+from tests.support.stack import Stack, run, store_stats, stubs
 
 
 def test_a_stopped_store_fails_calls_at_the_keepalive_bound_not_the_deadline(shared_redis_url, key_prefix):
@@ -41,54 +40,40 @@ def test_a_stopped_store_fails_calls_at_the_keepalive_bound_not_the_deadline(sha
     assert code == "UNAVAILABLE" and took < bound + 2.0, (code, took)
 
 
-def listening(pid: int) -> set[tuple[str, int]]:
-    """The (address, port) of every TCP socket the process listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    addr, port = cols[1].split(":")
-                    found.add((_address(addr, width), int(port, 16)))
-    return found
-
-
-def _address(hexaddr: str, width: int) -> str:
-    """/proc/net/tcp{,6}'s hex address as text; an IPv4-mapped IPv6 one as its IPv4 address."""
-    if width == 32 and hexaddr.startswith("0000000000000000FFFF0000"):
-        hexaddr, width = hexaddr[24:], 8
-    if width == 8:
-        return ".".join(str(b) for b in reversed(bytes.fromhex(hexaddr)))
-    return "::" if set(hexaddr) == {"0"} else hexaddr
-
-
-def test_the_grpc_port_listens_on_the_configured_host_and_only_the_transfer_engine_does_not(
-        shared_redis_url, key_prefix):
-    """The Mooncake Transfer Engine (0.3.13) binds its handshake port (findAvailableTcpPort:
-    INADDR_ANY) and its TCP data port (asio tcp::v6() any, dual stack) to every address; nothing
-    in its API or environment changes that (MC_TCP_BIND_ADDRESS only names the address it
-    advertises in non-P2P mode). This pins down exactly that, so the day it can be bound the test
-    says so: everything else listens on --host."""
-    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+def test_every_port_listens_on_the_configured_host_the_transfer_engine_s_too(shared_redis_url, key_prefix):
+    """The Mooncake Transfer Engine (0.3.13) binds its handshake port (INADDR_ANY) and its data
+    port (IPv6 any, dual stack) to every address on its own; the bind interposer
+    (runtime.bind_host) puts both on --te-host. A store started without it (LD_PRELOAD emptied, as
+    when run by hand) re-executes itself with it, keeping its pid; a worker started by the launcher
+    has it from the start. The store's transfers to the worker work over the confined ports."""
+    s = Stack(shared_redis_url, key_prefix, env={"LD_PRELOAD": ""})
     try:
-        socks = listening(store.proc.pid)
+        store = s.start_store()
+        s.env = None
+        prefill = s.worker("prefill").start()
         info = asyncio.run(_info(store.address))
         te_rpc_port = int(info.segment.rsplit(":", 1)[1])
-        assert ("127.0.0.1", store.port) in socks
-        wildcard = {(a, p) for a, p in socks if a in ("0.0.0.0", "::")}
-        assert ("0.0.0.0", te_rpc_port) in wildcard and len(wildcard) == 2, socks
-        assert all(a in ("127.0.0.1", "0.0.0.0", "::") for a, _ in socks), socks
+        for proc, reexecuted in ((store, True), (prefill, False)):
+            socks = listening(proc.proc.pid)
+            assert {a for a, _ in socks} == {"127.0.0.1"} and len(socks) >= 3, socks  # gRPC, TE rpc, TE data
+            assert proc.port in {p for _, p in socks}
+            with open(f"/proc/{proc.proc.pid}/environ", "rb") as f:
+                assert (b"PDSERVE_BIND_REEXEC=1" in f.read().split(b"\0")) == reexecuted
+        assert ("127.0.0.1", te_rpc_port) in listening(store.proc.pid)
+        reply = run(_prefill(prefill.address, [5] * 40))  # its KV written into the store, read back
+        assert len(reply.block_hashes) == 2 and reply.usage.prompt_tokens == 40, reply
+        stats = run(store_stats(store.address))
+        assert sum(t.used_blocks for t in stats.tiers) >= 2, stats
     finally:
-        store.stop()
+        s.stop()
+
+
+async def _prefill(address: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
+    ch, stub = stubs(address, "prefill")
+    async with ch:
+        return await stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id="bind-1", prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)), timeout=30)
 
 
 async def _info(address: str) -> kvstore_pb2.InfoResponse:
