@@ -36,3 +36,17 @@ def test_a_collection_that_pauses_long_is_logged_and_a_short_one_is_not():
     assert watch.slow == 1
     assert [(e["event"], e["generation"], e["ms"], e["collected"]) for e in logs] == [
         ("slow garbage collection", 2, 55.5, 7)]
+
+
+def test_a_second_tune_changes_nothing_and_returns_the_first_watch():
+    before = gc.get_threshold()
+    try:
+        watch = gc_tuning.tune(slow_ms=1e9)
+        frozen = gc.get_freeze_count()
+        assert gc_tuning.tune(slow_ms=1.0) is watch and watch.slow_ms == 1e9
+        assert sum(isinstance(cb, gc_tuning.PauseWatch) for cb in gc.callbacks) == 1
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.callbacks.remove(watch)
+        gc.unfreeze()
+        gc.set_threshold(*before)

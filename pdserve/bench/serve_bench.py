@@ -16,6 +16,7 @@ from pdserve.bench.report import emit, machine
 from pdserve.bench.serve_stats import Record, attainment, gather_progress, goodput, summarize
 from pdserve.bench.workloads import BenchRequest
 from pdserve.client import AsyncClient, Result, TokenEvent
+from pdserve.runtime import gc_tuning
 from pdserve.runtime.tasks import cancel_and_wait, measure_loop_lag
 
 
@@ -78,6 +79,7 @@ async def run_load(router: str, reqs: list[BenchRequest], max_seconds: float, ti
                    progress: bool = True, loop_lag_ms: list[float] | None = None) -> tuple[list[Record], float]:
     """`loop_lag_ms`: when given, gets how late this client's own event loop ran (its figures
     include that wait)."""
+    gc_tuning.tune()  # the load generator's own full collections paused it 75-595 ms: not the server's time
     lag = asyncio.create_task(measure_loop_lag(loop_lag_ms.append)) if loop_lag_ms is not None else None
     try:
         async with AsyncClient(router, timeout_s=timeout_s) as client:

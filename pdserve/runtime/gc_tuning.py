@@ -1,12 +1,14 @@
-"""Python's cyclic garbage collector, tuned for a long-lived service holding many objects.
+"""Python's cyclic garbage collector, tuned for long-lived processes holding many objects.
 
 With the defaults (a young collection every 700 net allocations, a full one as the survivors
-grow by a quarter), a store holding 400k block entries paused its event loop for a full
-collection of 100-190 ms once every few hundred calls, and spent a quarter of a 1,024-block
-allocate on young collections. Here: everything alive at startup (modules, the model, the
-store's buffers) is frozen out of every collection, young collections run every 100,000 net
-allocations, and older ones ten times rarer each, so full collections are rare; each collection
-that pauses the service for long is logged, so an operator sees it.
+grow by a quarter), a full collection walks every object the process holds: the store's block
+records, the router's tokenizer and index mirror, a worker's model, engine and running
+sequences. It stops the whole process meanwhile, so under load it becomes the tail of every
+stream there (docs/perf-log.md has the pauses measured). Here: everything alive at startup is
+frozen out of every collection, young collections run every 100,000 net allocations, and older
+ones ten times rarer each, so full collections are rare and short; each collection that pauses
+the process for long is logged, so an operator sees it. Every service, and the bench's load
+generator, run with it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ class PauseWatch:
 
 
 def tune(slow_ms: float = SLOW_MS) -> PauseWatch:
-    """Call once the service has built its long-lived state, before it serves."""
+    """Call once the process has built its long-lived state, before it serves; a second call
+    changes nothing and returns the first one's watch."""
+    installed = next((cb for cb in gc.callbacks if isinstance(cb, PauseWatch)), None)
+    if installed is not None:
+        return installed
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_EVERY, OLDER_EVERY, OLDER_EVERY)

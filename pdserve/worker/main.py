@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 
 from pdserve import logs
 from pdserve.engine.config import Role
-from pdserve.runtime import bind_host
+from pdserve.runtime import bind_host, gc_tuning
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.worker.bootstrap import Worker, start_worker
@@ -42,6 +42,7 @@ def serve_worker(role: Role, make_servicer: Callable[[Worker], object], add_to_s
         dead = asyncio.Event()
         worker.engine.on_death = lambda reason: dead.set()
         watchdog = asyncio.get_running_loop().create_task(_watch_steps(worker, cfg.step_timeout_s))
+        gc_tuning.tune()  # the model and engine built: out of every collection from now on
         await handle.set_serving()
         write_port_file(cfg.port_file, handle.port)
         await asyncio.wait([asyncio.ensure_future(stopped.wait()), asyncio.ensure_future(dead.wait())],

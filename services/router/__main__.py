@@ -12,7 +12,7 @@ from pdserve.engine.mock_runner import served_profile
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.model.config import parse_dtype
 from pdserve.model.spec import describe
-from pdserve.runtime import auth
+from pdserve.runtime import auth, gc_tuning
 from pdserve.runtime.server import build_server
 from pdserve.runtime.service import parse_config, pin_cpus, run, write_port_file
 from pdserve.runtime.tasks import cancel_and_wait, measure_loop_lag
@@ -76,6 +76,7 @@ async def main() -> None:
         log.info("OpenAI-compatible HTTP API", url=f"http://{cfg.host}:{http.port}/v1",
                  chat_template="yes" if template else "none (chat requests refused)")
     lag = asyncio.create_task(measure_loop_lag(lambda ms: metrics.observe("loop_lag_ms", ms)), name="loop-lag")
+    gc_tuning.tune()
     await handle.set_serving()
     write_port_file(cfg.port_file, handle.port)
     await stopped.wait()
