@@ -158,12 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def prepare_bench() -> None:
+    """A bench process: its logs (a slow collection's warning, say) to stderr, since stdout
+    carries the --json document alone; the stacks it starts run with auth on, like any other."""
+    from pdserve import logs
+    from pdserve.runtime import auth
+
+    logs.configure("bench", level="WARNING")
+    auth.ensure_stack_secrets()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        from pdserve.runtime import auth
-
-        auth.ensure_stack_secrets()  # the stacks a bench starts run with auth on, like any other
+        prepare_bench()
     try:
         return args.func(args) or 0
     except ValueError as e:

@@ -77,3 +77,22 @@ def test_bench_kvstore_json_format(shared_redis_url):
     for t in doc["targets"]:
         assert set(t) == {"name", "value", "unit", "target", "comparison", "met"}
         assert t["met"] == (t["value"] >= t["target"] if t["comparison"] == ">=" else t["value"] <= t["target"])
+
+
+def test_a_bench_process_logs_to_stderr_never_into_its_json_on_stdout():
+    """A slow collection's warning in the bench's load generator once landed in the middle of
+    `bench serve --json`'s stdout."""
+    code = ("from pdserve import cli, logs\n"
+            "from pdserve.runtime import gc_tuning\n"
+            "cli.prepare_bench()\n"
+            "watch = gc_tuning.PauseWatch(0.0)\n"
+            "watch('start', {})\n"
+            "watch('stop', {'generation': 2, 'collected': 1})\n"
+            "logs.get('x').warning('a warning')\n"
+            "logs.get('x').info('not shown')\n"
+            "print('{}')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "{}\n"
+    assert '"event": "slow garbage collection"' in done.stderr and '"event": "a warning"' in done.stderr
+    assert "not shown" not in done.stderr
