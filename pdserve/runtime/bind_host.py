@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import os
 import socket
@@ -30,8 +31,10 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
 _REEXEC = "PDSERVE_BIND_REEXEC"  # set across the one re-exec `require` makes: never a second
 
 
+@functools.cache
 def library() -> Path:
-    """The interposer, built for this machine on first use."""
+    """The interposer, built for this machine on first use (looked up once a process: every
+    ServiceProcess asks)."""
     return native.shared_object("bind_host", [SOURCE], ["-O2", "-fPIC"], ["-shared", "-ldl"])
 
 
