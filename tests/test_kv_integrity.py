@@ -191,3 +191,21 @@ async def _info(address: str):
     channel, stub = stubs(address, "kvstore")
     async with channel:
         return await stub.Info(kvstore_pb2.InfoRequest(), timeout=5)
+
+
+def test_the_kvstore_bench_checks_each_span_its_timed_reads_land():
+    """`bench kvstore` times a raw read with each landed span verified, as the store's client
+    does; the check runs in the transfer's thread, so it must be a plain function (a coroutine
+    there would be dropped unrun, and the figure would time no check at all)."""
+    from pdserve.bench.kvstore_bench import _verify
+    from pdserve.kv.checksum import checksums_at
+
+    nbytes = 1024
+    buf = torch.randint(0, 256, (4 * nbytes,), dtype=torch.uint8)
+    base = buf.data_ptr()
+    sums = checksums_at([base + i * nbytes for i in range(4)], nbytes)
+    assert _verify(Span(base + nbytes, 0, 2 * nbytes), base, nbytes, sums) is None  # blocks 1 and 2
+    sums[2] ^= 1
+    with pytest.raises(RuntimeError, match="failed their checksum"):
+        _verify(Span(base + nbytes, 0, 2 * nbytes), base, nbytes, sums)
+    _verify(Span(base + 3 * nbytes, 0, nbytes), base, nbytes, sums)  # block 3 alone is still good

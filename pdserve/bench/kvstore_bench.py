@@ -58,8 +58,9 @@ async def _timed(coro) -> tuple[float, object]:
     return time.perf_counter() - t0, result
 
 
-async def _verify(span: Span, base: int, nbytes: int, sums: list[int]) -> None:
-    """The reader's check of one landed span (blocks laid out from `base`)."""
+def _verify(span: Span, base: int, nbytes: int, sums: list[int]) -> None:
+    """The reader's check of one landed span (blocks laid out from `base`); runs in the transfer's
+    thread, as StoreClient.read_slots' does."""
     first = (span.local - base) // nbytes
     count = span.nbytes // nbytes
     if mismatches([span.local + i * nbytes for i in range(count)], nbytes, sums[first : first + count]):
