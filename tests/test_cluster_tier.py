@@ -20,7 +20,7 @@ from pdserve.kv.checksum import checksum_of
 from pdserve.kv.hashing import root_hash
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import MooncakeMaster
-from services.kvstore.cluster import TRAILER, object_key
+from services.kvstore.cluster import TRAILER, object_key, object_nbytes
 from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, wait_for
 from tests.support.procs import listening
@@ -32,7 +32,7 @@ def _store(redis_url, key_prefix, master: MooncakeMaster, segment: int = SEGMENT
     return start_store(redis_url, key_prefix, device_blocks=blocks, dram_blocks=blocks,
                        extra=("--cluster-store", "mooncake", "--cluster-master", master.address,
                               "--cluster-segment-bytes", str(segment), "--cluster-buffer-bytes",
-                              str(16 * (BLOCK + TRAILER)), "--cluster-timeout-ms", "1000"))
+                              str(16 * object_nbytes(BLOCK)), "--cluster-timeout-ms", "1000"))
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_a_corrupt_cluster_object_is_never_served_and_is_removed(shared_redis_ur
         wait_for(lambda: _cluster(cb).connected, 30)
         # Block (2, 0) as a writer would store it, with one byte flipped after the checksum.
         good = block_data(2, 0)
-        obj = torch.zeros(BLOCK + TRAILER, dtype=torch.uint8)
+        obj = torch.zeros(object_nbytes(BLOCK), dtype=torch.uint8)
         obj[:BLOCK] = good
         struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(obj.data_ptr() + BLOCK), 0, checksum_of(good))
         obj[100] ^= 1
@@ -170,16 +170,21 @@ def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(mast
     """Two tiers of two block sizes (two hash profiles) on one real master, in a process of their
     own (a Mooncake client in the test process would outlive the test beside its transfer
     engine): the same block hash is two keys; each reads back only its own bytes, the other misses."""
+    assert _alone("_two_profiles", master).endswith("two profiles: ok")
+
+
+def _alone(fn: str, master: MooncakeMaster) -> str:
+    """Runs `fn(master address)` of this module in a process of its own (a Mooncake client in the
+    test process would outlive the test beside its transfer engine); returns its stdout."""
     import subprocess
     import sys
 
     from tests.support.procs import ROOT
 
-    out = subprocess.run([sys.executable, "-c", "import sys; from tests.test_cluster_tier import _two_profiles; "
-                          "_two_profiles(sys.argv[1])", master.address], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", f"import sys; from tests.test_cluster_tier import {fn}; "
+                          f"{fn}(sys.argv[1])", master.address], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("two profiles: ok")
+    return out.stdout.strip()
 
 
 def _two_profiles(master_address: str) -> None:
@@ -192,7 +197,7 @@ def _two_profiles(master_address: str) -> None:
     for name, profile in (("16", PROFILE), ("8", small)):
         nbytes = profile.layout.block_nbytes
         tiers[name] = ClusterTier(ClusterConfig(master_address, segment_bytes=SEGMENT if name == "16" else 0,
-                                                buffer_bytes=8 * (nbytes + TRAILER), timeout_s=2.0),
+                                                buffer_bytes=8 * object_nbytes(nbytes), timeout_s=2.0),
                                   root_hash(profile), nbytes)
     try:
         assert wait_for_value(lambda: all(t.connected for t in tiers.values()), True, 30)
@@ -288,3 +293,43 @@ def test_a_full_cluster_drops_blocks_counted_and_never_stalls_a_put_or_a_get(sha
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_filling_segment_refuses_no_put_and_keeps_the_newest_blocks(master):
+    """Spills at a steady rate into one segment until it has turned over three times: the master
+    evicts the oldest, refuses none (objects padded to OBJECT_ALIGN: 64 KiB + 8-byte objects had
+    8-9% of such puts refused, losing newest blocks), and the newest ones all read back."""
+    assert _alone("_fill", master).endswith("fill: ok")
+
+
+def _fill(master_address: str) -> None:
+    import asyncio
+
+    from services.kvstore.cluster import ClusterConfig, ClusterTier
+
+    tier = ClusterTier(ClusterConfig(master_address, segment_bytes=SEGMENT, buffer_bytes=64 * object_nbytes(BLOCK),
+                                     timeout_s=2.0), root_hash(PROFILE), BLOCK)
+    try:
+        assert wait_for_value(lambda: tier.connected, True, 30)
+        n = 3 * SEGMENT // tier.stride
+        data = block_data(3, 0)
+        hashes = [block_hash(3, i) for i in range(n)]
+        for i, h in enumerate(hashes):
+            tier.spill(h, checksum_of(data), data)
+            if i % 8 == 7:
+                time.sleep(0.01)  # about 800 blocks a second
+        c = tier.counters
+        assert wait_for_value(lambda: c.spilled + c.put_failures + c.spill_dropped, n, 60)
+        assert (c.spilled, c.put_failures, c.spill_dropped) == (n, 0, 0)
+
+        async def newest():
+            run = await tier.fetch(hashes[-16:])
+            out = [(f.key, torch.equal(f.view, data)) for f in run]
+            tier.done_with(run)
+            return out
+
+        assert asyncio.run(newest()) == [(h, True) for h in hashes[-16:]]
+        print("fill: ok", flush=True)
+    finally:
+        tier.close()
+    os._exit(0)  # (as _two_profiles: no Mooncake client teardown)

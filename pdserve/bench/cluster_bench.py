@@ -122,11 +122,11 @@ async def _row(tier, raw, raw_buf: torch.Tensor, profile: HashProfile, tokens: i
 
 
 async def _rows(profile: HashProfile, tokens_list: list[int], repeats: int, master: str) -> list[dict]:
-    from services.kvstore.cluster import TRAILER, ClusterConfig, ClusterTier
+    from services.kvstore.cluster import ClusterConfig, ClusterTier, object_nbytes
 
     lay = profile.layout
     most = max(tokens_list) // lay.block_size
-    staging = (most + 1) * (lay.block_nbytes + TRAILER)
+    staging = (most + 1) * object_nbytes(lay.block_nbytes)
     tier = ClusterTier(ClusterConfig(master, "127.0.0.1", "P2PHANDSHAKE", "tcp", 0, staging, 30.0),
                        root_hash(profile), lay.block_nbytes)
     raw_buf = torch.zeros(most * lay.block_nbytes, dtype=torch.uint8)
@@ -157,8 +157,10 @@ def per_token_costs(cluster: list[dict], store_rows: list[dict]) -> None:
 
 def cluster_rows(profile: HashProfile, tokens_list: list[int], repeats: int) -> list[dict]:
     """The rows, with a master and a segment holder of their own (stopped before returning)."""
+    from services.kvstore.cluster import object_nbytes
+
     lay = profile.layout
-    segment = max(256 << 20, 3 * max(tokens_list) // lay.block_size * (lay.block_nbytes + 8))
+    segment = max(256 << 20, 3 * max(tokens_list) // lay.block_size * object_nbytes(lay.block_nbytes))
     master = MooncakeMaster().start()
     holder = subprocess.Popen([*die_with_parent(), sys.executable, "-c", _SEGMENT_HOLDER, master.address, str(segment)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

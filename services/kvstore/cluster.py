@@ -4,9 +4,9 @@ Blocks leaving this node's DRAM tier are copied into a registered staging buffer
 the cluster (`batch_put_from`) by a thread of their own; a get whose hash chain runs past the
 local tiers fetches the rest (`batch_get_into`, into the same staging buffer) and the store
 imports what verifies into local slots. Each object is the block's bytes followed by the
-writer's checksum (8 bytes, little-endian), so a block fetched from any node is verified
-against the checksum its first writer computed. Keys are `pdserve/<profile root>/<block hash>`:
-two models or KV layouts never share one.
+writer's checksum (8 bytes, little-endian), then zeros to a multiple of OBJECT_ALIGN; a block
+fetched from any node is verified against the checksum its first writer computed. Keys are
+`pdserve/<profile root>/<block hash>`: two models or KV layouts never share one.
 
 Nothing here waits on the cluster on the event loop's behalf: a spill with no staging room is
 dropped (counted), a fetch is bounded by `timeout_s` and answers a miss, and a master that is
@@ -39,11 +39,20 @@ from pdserve.runtime import bind_host
 log = logs.get("kvstore.cluster")
 
 TRAILER = 8  # the checksum after each object's block bytes
+# Each object is padded to a multiple of this: mooncake_master refuses some puts of other sizes as
+# a segment fills (4,000 spills into one 64 MiB segment: 64 KiB + 8-byte objects 8.3-8.6% refused,
+# the newest blocks lost; padded to 2 KiB 0.2%; to 4 KiB none; docs/perf-log.md, S28).
+OBJECT_ALIGN = 4096
 RPC_FAIL = -900  # Mooncake's code for a master that did not answer
 NOT_FOUND = -704  # Mooncake's code for a key it does not hold
 BATCH, BATCH_WAIT_S = 64, 0.002  # a put carries up to BATCH blocks, waiting this long between arrivals
 MASTER_HIGH_WATERMARK = 0.9  # mooncake_master evicts past this share of a segment (its default)
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
+
+
+def object_nbytes(block_nbytes: int) -> int:
+    """An object's size in the cluster: the block's bytes, its checksum, zeros to OBJECT_ALIGN."""
+    return -(-(block_nbytes + TRAILER) // OBJECT_ALIGN) * OBJECT_ALIGN
 
 
 def object_key(profile_root: bytes, block_hash: bytes) -> str:
@@ -96,7 +105,7 @@ class ClusterTier:
     def __init__(self, cfg: ClusterConfig, profile_root: bytes, block_nbytes: int, client=None):
         self.cfg = cfg
         self.block_nbytes = block_nbytes
-        self.stride = block_nbytes + TRAILER
+        self.stride = object_nbytes(block_nbytes)
         self.profile_root = profile_root
         self.counters = ClusterCounters()
         n = cfg.buffer_bytes // self.stride
