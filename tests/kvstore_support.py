@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,8 +27,10 @@ FENCE_MS = 300  # the test stores' quarantine of abandoned write slots (a long o
 # descriptor by segment name ("host:rpc_port") for its own: a store started later on a port an
 # earlier one had would be unreachable to it (measured: every write fails). So each store start
 # here takes its transfer ports from a window no earlier start had (Mooncake's default range,
-# 15000-17000, stays for every other process).
-_PORT_WINDOWS = itertools.count(17100, 16)
+# 15000-17000, stays for every other process). The first window depends on the process id: a
+# test run started right after another would otherwise find the first windows' ports in TIME_WAIT,
+# which refuses their bind for a minute (seen: every port of a store's window taken).
+_PORT_WINDOWS = itertools.count(17100 + 16 * (os.getpid() % 200), 16)
 
 
 class StoreProcess(ServiceProcess):
