@@ -22,7 +22,7 @@ from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import MooncakeMaster
 from services.kvstore.cluster import TRAILER, object_key, object_nbytes
 from tests.kv_peer import PROFILE, block_data, block_hash
-from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, wait_for
+from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, tier_stats, wait_for
 from tests.support.procs import listening
 
 SEGMENT = 16 << 20  # Mooncake's least
@@ -55,6 +55,12 @@ def _cluster(client: LocalClient):
     return client.stats().cluster
 
 
+def _assert_no_leaks(*clients: LocalClient) -> None:
+    for client in clients:
+        stats = client.stats()
+        assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+
+
 def _get(client: LocalClient, seed: int, indices: list[int]) -> tuple[int, list[bool]]:
     """(blocks read, whether each read block's bytes are exactly the written ones)."""
     hashes = [block_hash(seed, i) for i in indices]
@@ -79,8 +85,7 @@ def test_blocks_leaving_one_node_are_served_by_another_bit_exact(shared_redis_ur
         assert (c.fetched, c.corrupt) == (4, 0)
         assert _get(cb, 1, [0, 1, 2, 3]) == (4, [True] * 4)  # now B's own: no second fetch
         assert _cluster(cb).fetched == 4
-        stats = cb.stats()
-        assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+        _assert_no_leaks(cb)
 
         # A chain that goes on past what the cluster holds: the run it holds, then a miss.
         assert _get(cb, 1, [0, 1, 2, 3, 8, 9]) == (4, [True] * 4)
@@ -90,6 +95,37 @@ def test_blocks_leaving_one_node_are_served_by_another_bit_exact(shared_redis_ur
         for pid in (a.proc.pid, b.proc.pid, master.proc.pid):
             assert {addr for addr, _ in listening(pid)} == {"127.0.0.1"}, listening(pid)
         assert len(listening(a.proc.pid)) >= 5  # gRPC, the store's engine (2), the cluster client's (2)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_only_blocks_no_cache_above_holds_are_written_to_the_cluster(shared_redis_url, key_prefix, master):
+    """A copy its writer keeps (a prefill's handoff, offload on) leaves DRAM without a cluster
+    write: the writer puts it again when its own cache lets it go. A block fetched from the
+    cluster is not written there again either. What the store owns is."""
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    b = _store(shared_redis_url, key_prefix + "b", master)
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        ca.put(1, [0, 1, 2, 3], writer_keeps_copy=True)
+        ca.put(2, [0, 1, 2, 3])  # the copies leave A (4 slots) first: dropped, not written below
+        ca.put(1, [0, 1, 2, 3])  # their writer's cache let them go (an offload): A's own; 2/* leave
+        wait_for(lambda: _cluster(ca).spilled >= 4, 10)
+        assert _get(cb, 2, [0, 1, 2, 3]) == (4, [True] * 4)  # landed: every earlier spill of A's has
+        assert (_cluster(ca).spilled, _cluster(ca).spill_dropped, _cluster(ca).put_failures) == (4, 0, 0)
+        assert tier_stats(ca.stats())["dram"]["evictions"] == 8
+
+        ca.put(3, [0, 1, 2, 3])  # 1/* (A's own now) leave A for the cluster
+        wait_for(lambda: _cluster(ca).spilled == 8, 10)
+        assert _get(cb, 1, [0, 1, 2, 3]) == (4, [True] * 4)  # B fetches them (2/* leave B)
+        cb.put(4, [0, 1, 2, 3])  # the fetched 1/* leave B: the cluster has them, no second write
+        cb.put(5, [0, 1, 2, 3])  # 4/* (B's own) leave B for the cluster
+        wait_for(lambda: _cluster(cb).spilled >= 4, 10)
+        assert _get(ca, 4, [0, 1, 2, 3]) == (4, [True] * 4)
+        assert (_cluster(cb).fetched, _cluster(cb).spilled) == (8, 4)  # 2/* and 1/*; 4/*
+        _assert_no_leaks(ca, cb)
     finally:
         a.stop()
         b.stop()
@@ -254,8 +290,7 @@ def test_a_node_killed_takes_its_segment_with_it_and_readers_miss_never_read_wro
         assert _get(cb, 5, [0, 1]) == (2, [True, True])  # fetched before: B's own now
         cb.put(6, [0, 1])
         assert _get(cb, 6, [0, 1]) == (2, [True, True])
-        stats = cb.stats()
-        assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+        _assert_no_leaks(cb)
     finally:
         a.stop()
         b.stop()
@@ -287,9 +322,7 @@ def test_a_full_cluster_drops_blocks_counted_and_never_stalls_a_put_or_a_get(sha
             read += n
         assert read > 0  # the most recent ones at least
         assert _cluster(cb).corrupt == 0 and _cluster(cb).fetched == read
-        for client in (ca, cb):
-            stats = client.stats()
-            assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+        _assert_no_leaks(ca, cb)
     finally:
         a.stop()
         b.stop()

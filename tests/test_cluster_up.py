@@ -1,6 +1,7 @@
 """`pdserve up --store-nodes 2 --cluster-store mooncake`: a mooncake_master, two store nodes and a
-worker pair on each, one router. A prompt prefilled on one node, pushed out of that node's store
-by other prompts, is then served on the other node from the cluster tier: the reply's usage says
+worker pair on each, one router. A prompt prefilled on one node, pushed out of that node's worker
+and then its store by other prompts, is then served on the other node from the cluster tier (a
+block reaches the cluster once no cache above it holds it): the reply's usage says
 every full block came from the cluster, and the tokens are the same. Then the master is killed:
 no request fails, and what only the cluster held is recomputed."""
 
@@ -38,10 +39,11 @@ def test_a_prefix_computed_on_one_node_is_fetched_from_the_cluster_on_the_other(
     from pdserve.client import Client
 
     logs = tmp_path / "logs"
-    # Each node's store: 16 device + 32 DRAM slots of 64 KiB (the tiny model's block); a prompt is 20.
+    # Each node's store: 16 device + 32 DRAM slots of 64 KiB (the tiny model's block); a worker's
+    # cache 64 pages; a prompt is 20 full blocks.
     up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "-1",
                            "--store-nodes", "2", "--cluster-store", "mooncake", "--cluster-segment-mib", "64",
-                           "--prefill", "2", "--decode", "2", "--policy", "round_robin", "--num-blocks", "512",
+                           "--prefill", "2", "--decode", "2", "--policy", "round_robin", "--num-blocks", "64",
                            "--store-device-mib", "1", "--store-dram-mib", "2", "--log-dir", str(logs),
                            "--key-prefix", f"pdtest-clup-{os.getpid()}"], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
@@ -55,7 +57,8 @@ def test_a_prefix_computed_on_one_node_is_fetched_from_the_cluster_on_the_other(
             first = c.generate(prompt, max_tokens=8, ignore_eos=True)
             assert first.usage["cached_tokens_cluster"] == 0
             home = first.route["prefill"]
-            # Round robin alternates nodes; 12 other prompts push the first out of its node's store.
+            # Round robin alternates nodes; 12 other prompts push the first out of its worker's cache
+            # (the third on its node), which hands it to its store, and out of that store (the fifth).
             fillers = [c.generate(_prompt(100 + i, 20), max_tokens=2, ignore_eos=True) for i in range(12)]
             assert {f.route["prefill"] for f in fillers} >= {home}
             again = [c.generate(prompt, max_tokens=8, ignore_eos=True) for _ in range(2)]

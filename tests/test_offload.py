@@ -56,9 +56,11 @@ def duplicates(stack: Stack) -> int:
 @pytest.mark.parametrize("staging", ["0", "64"])
 def test_evicted_blocks_go_to_the_store(shared_redis_url, tiny, staging):
     """A 5-block prompt, then two 16-block prompts through a 24-page prefill cache: the second
-    evicts A's 5 pages and 8 of the first's. Every handoff block is in the store as a copy its
-    writer keeps; with offload, the 13 evicted ones are no longer copies (the worker let them go:
-    the store keeps them before any copy). The repeat of A is served from the store, exactly."""
+    evicts A's 5 pages and 8 of the first's. With offload, every handoff block is in the store as
+    a copy its writer keeps, and the 13 evicted ones are no longer copies (the worker let them go:
+    the store keeps them before any copy). Without, none is a copy: a writer that never puts
+    back what it evicts keeps no copy the store could drop first. The repeat of A is served from
+    the store, exactly."""
     stack = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(
         prefill_flags=("--num-blocks", "24", "--offload-blocks", staging))
     try:
@@ -72,7 +74,7 @@ def test_evicted_blocks_go_to_the_store(shared_redis_url, tiny, staging):
         for i, n in enumerate((256, 256)):
             p = prompt(n, salt=10 + i)
             assert run(run_one(stack, f"b{i}", p))[0] == expected(engine, p)
-        want = 5 + 16 + 16 - (13 if staging != "0" else 0)
+        want = 5 + 16 + 16 - 13 if staging != "0" else 0
         deadline = time.time() + 5
         while duplicates(stack) != want and time.time() < deadline:
             time.sleep(0.05)

@@ -10,7 +10,9 @@
   copies their writers keep (oldest first), then the rest (least recently used first);
 - eviction from the device tier demotes to DRAM (dropping DRAM's first to evict when it is full,
   or the block itself when DRAM has no room at all); eviction from DRAM drops, handing the
-  block to the tier below (`below`: the cluster) first when there is one;
+  block to the tier below (`below`: the cluster) first when there is one, unless its writer
+  keeps a copy (the writer hands it back when its own cache lets it go: services/prefill/
+  offloader.py) or it came from the tier below: what goes below is what no cache above holds;
 - a DRAM hit is promoted to the device tier when its last reader lets go;
 - a slot whose writer may still land bytes in it (its write lease ended uncommitted) is fenced:
   quarantined until `fence_s` has passed, then free (docs/architecture.md says why);
@@ -46,6 +48,7 @@ class Block:
     checksum: int = 0  # the writer's xxh3-64 of the bytes, set at commit
     promote: bool = False  # a DRAM hit: promoted to the device tier once its last reader lets go
     detached: bool = False  # failed its checksum: in no index or order, its slot freed when unpinned
+    from_below: bool = False  # fetched from the tier below, which still holds it: never written there again
 
 
 @dataclass
@@ -176,8 +179,9 @@ class BlockManager:
         self._leave(self._orders[tier].pop_first())
 
     def _leave(self, b: Block) -> None:
-        """An evicted block out of the last local tier: to the tier below, if any, then dropped."""
-        if self.below is not None:
+        """An evicted block out of the last local tier: to the tier below (if any, and only what no
+        cache above holds), then dropped."""
+        if self.below is not None and not (b.writer_copy or b.from_below):
             self.below(b.key, b.checksum, self.view(b))
         self._drop(b)
 
@@ -262,6 +266,7 @@ class BlockManager:
         new = self.allocate(list(keys[:n]), writer_copy=False, tail_key=None)
         for b, src in zip(new, data, strict=False):
             self.view(b).copy_(src)
+            b.from_below = True
         self.commit(new, checksums[:n])
         return n
 

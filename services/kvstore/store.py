@@ -67,8 +67,9 @@ class BlockStore:
                      request_id: str, writer_keeps_copy: bool = False,
                      hold_ms: int = 0) -> tuple[WriteLease, list[Slot]]:
         """Slots for the blocks not yet here (WRITE), the others as PRESENT or PENDING, then the
-        tail's. writer_keeps_copy: the new blocks are copies of the writer's cache (evicted
-        first); otherwise the committed blocks already here become the store's own. hold_ms > 0
+        tail's. writer_keeps_copy: the new blocks are copies of the writer's cache, which
+        it hands back when its cache evicts them (evicted first, never written to the cluster
+        tier); otherwise the committed blocks already here become the store's own. hold_ms > 0
         (a handoff): what is present or written here stays pinned under a hold lease until it is
         released or lapses, hold_ms after the put's last commit."""
         _no_repeats(hashes, "put")

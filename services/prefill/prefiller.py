@@ -54,6 +54,9 @@ class Prefiller:
     def __init__(self, worker: Worker):
         self.w = worker
         self.inflight: dict[str, asyncio.Task] = {}
+        # What we put stays in our cache, and (offload on) comes back to the store when that cache
+        # evicts it: the store treats it as a copy (evicted first, never sent to the cluster).
+        self.keeps_copies = worker.cfg.offload_blocks > 0
 
     async def cancel(self, request_id: str) -> bool:
         task = self.inflight.get(request_id)
@@ -88,14 +91,15 @@ class Prefiller:
                 raise ResourceExhausted(f"prefill worker full: {e}; retry later") from e
             n_full = len(req.prompt_ids) // bs
             n_local = res.num_local_blocks
+            t_reserved = time.perf_counter()
             n_store, n_cluster = await self._load_from_store(rid, res.prompt_hashes, res.block_table, n_local, n_full)
             await w.engine.call(lambda e: e.start_compute(rid, n_local + n_store))
             t_loaded = time.perf_counter()
             tail_key = (req.tail_key or rid) if len(req.prompt_ids) % bs else ""
             # Held for the decode until it has pulled them: a decode that starts reading late
             # must not find them evicted (handoff copies are the first to go once unpinned).
-            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms, writer_keeps_copy=True,
-                                           hold_ms=w.cfg.tail_ttl_ms)
+            alloc = await w.store.allocate(res.prompt_hashes, tail_key, rid, w.cfg.lease_ms,
+                                           writer_keeps_copy=self.keeps_copies, hold_ms=w.cfg.tail_ttl_ms)
             hold = alloc.hold_lease_id
             renewal = w.store.keep_alive(alloc.lease_id, w.cfg.lease_ms)
             pages = res.block_table[: n_full + (1 if tail_key else 0)]
@@ -138,7 +142,8 @@ class Prefiller:
             rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, hold,
             cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
             cached_cluster=min(n_cluster * bs, cached - local),
-            timings_ms={"load_ms": (t_loaded - t0) * 1e3, "prefill_ms": (t_first - t_loaded) * 1e3,
+            timings_ms={"queue_ms": (t_reserved - t0) * 1e3, "load_ms": (t_loaded - t_reserved) * 1e3,
+                        "prefill_ms": (t_first - t_loaded) * 1e3,
                         "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
                         "tail_ms": (done - t_first) * 1e3,
                         "total_ms": (done - t0) * 1e3})
@@ -155,7 +160,7 @@ class Prefiller:
         give_up = time.monotonic() + 3 * lease_ms / 1000  # a live writer renews; a dead one lapses within one
         while True:
             again = await store.allocate([alloc.hashes[i] for i in pending], "", rid, lease_ms,
-                                         writer_keeps_copy=True)
+                                         writer_keeps_copy=self.keeps_copies)
             try:
                 async with self.w.pages.outbound([pages[i] for i in pending]) as addrs:
                     await store.ship(again, 0, len(pending), addrs)
