@@ -133,6 +133,28 @@ def test_the_cost_coefficients_are_fitted_to_the_times_to_first_token_workers_re
     assert [round(getattr(nofetch, n), 6) for n in Coefficients.NAMES] == [4.0, 0.1, 0.5, 0.03]
 
 
+def test_fetch_costs_are_fitted_to_the_loads_prefills_measure_not_to_their_times_to_first_token():
+    """Prefills that fetched from the cluster came at busy times (an unpriced 40 ms each): fitted
+    to times to first token, a cluster token is priced at ten times what it costs. Fitted to the
+    loads each prefill measured (a fixed 1.5 ms, then per token), the fetch costs are what the
+    loads cost, and request_ms and prefill_ms_per_token are fitted to what is left."""
+    shapes = itertools.cycle([(1, 16, 0, 0), (3, 500, 256, 32), (2, 1000, 0, 512), (1, 64, 1024, 0),
+                              (5, 2000, 512, 128), (1, 300, 64, 16), (2, 50, 0, 256)])
+    samples = [PrefillCost(*shape) for shape in itertools.islice(shapes, 64)]
+    truth = Coefficients(prefill_ms_per_token=0.08, fetch_ms_per_token=0.002, request_ms=12.0,
+                         cluster_ms_per_token=0.005)
+    measured, blind = Coefficients(), Coefficients()
+    for cost in samples:
+        load_ms = 1.5 + cost.fetched * 0.002 + cost.cluster * 0.005
+        ttft_ms = truth.ms(cost) + 1.5 + (40.0 if cost.cluster else 0.0)
+        measured.observe(cost, ttft_ms, load_ms)
+        blind.observe(cost, ttft_ms)
+    assert blind.cluster_ms_per_token > 10 * truth.cluster_ms_per_token
+    assert (round(measured.fetch_ms_per_token, 6), round(measured.cluster_ms_per_token, 6)) == (0.002, 0.005)
+    assert measured.fitted == set(Coefficients.NAMES)
+    assert measured.cluster_ms_per_token < measured.prefill_ms_per_token
+
+
 def test_a_request_without_a_client_deadline_gets_one_sized_to_its_work():
     from services.router.config import RouterConfig
 

@@ -103,9 +103,10 @@ async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int]
             exposed = med([x.store_write_exposed_ms for x in t])
             rows.append({
                 "prompt_tokens": n, "ttft_ms": med([s["ttft_ms"] for s in samples]),
-                "queue_and_load_ms": med([x.queue_ms for x in t]), "prefill_compute_ms": med([x.prefill_ms for x in t]),
+                "queue_and_load_ms": med([x.queue_ms + x.load_ms for x in t]),
+                "prefill_compute_ms": med([x.prefill_ms for x in t]),
                 "store_write_ms": write, "store_write_exposed_ms": exposed,
-                "finish_after_first_token_ms": med([x.total_ms - x.prefill_ms - x.queue_ms for x in t]),
+                "finish_after_first_token_ms": med([x.total_ms - x.prefill_ms - x.queue_ms - x.load_ms for x in t]),
                 "transfer_hidden_fraction": max(0.0, 1 - exposed / write) if write > 0 else 0.0,
                 "decode_pull_wait_ms": med([s["done"].timings.pull_wait_ms for s in samples]),
             })

@@ -41,4 +41,4 @@ def to_pb(out: PrefillOutput, text: str, prompt_tokens: int) -> prefill_pb2.Pref
                                cached_tokens_cluster=out.cached_cluster),
         timings=common_pb2.Timings(prefill_ms=t["prefill_ms"], store_write_ms=t["store_write_ms"],
                                    store_write_exposed_ms=t["store_write_exposed_ms"],
-                                   queue_ms=t["load_ms"], total_ms=t["total_ms"]))
+                                   queue_ms=t["queue_ms"], load_ms=t["load_ms"], total_ms=t["total_ms"]))

@@ -64,8 +64,16 @@ class PrefillChoice:
 class Coefficients:
     """ms per prefill request, per computed token, per token fetched from the node's store and per
     token fetched from the cluster tier: ms(cost) = requests * request_ms + tokens *
-    prefill_ms_per_token + fetched * fetch_ms_per_token + cluster * cluster_ms_per_token, fitted
-    by least squares to the last WINDOW prefills. Owns those samples."""
+    prefill_ms_per_token + fetched * fetch_ms_per_token + cluster * cluster_ms_per_token.
+
+    The two fetch coefficients are fitted to measured loads: the time each prefill spent reading
+    its store's blocks (cluster fetches included) against how many it read from each, plus a fixed
+    part every load pays (which request_ms carries). Fitted to times to first token instead, they
+    came out as noise (a cluster token priced above a recomputed one), and prompts went where
+    their prefix was not. request_ms and prefill_ms_per_token are then fitted to the times to
+    first token, with what the loads cost taken out. Both by least squares over the last WINDOW
+    prefills; a coefficient the samples cannot tell (its column never varies) or that comes out
+    negative keeps its value. Owns those samples."""
 
     WINDOW, REFIT_EVERY, MIN_SAMPLES = 256, 16, 32
     NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token", "cluster_ms_per_token")
@@ -77,6 +85,7 @@ class Coefficients:
         self.fetch_ms_per_token = fetch_ms_per_token
         self.cluster_ms_per_token = cluster_ms_per_token
         self._recent: deque[tuple[int, int, int, int, float]] = deque(maxlen=self.WINDOW)
+        self._loads: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
         self.fitted: frozenset[str] = frozenset()  # the coefficients the last fit could tell (the rest: as given)
 
@@ -89,32 +98,60 @@ class Coefficients:
         return (c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token
                 + c.fetched * self.fetch_ms_per_token + c.cluster * self.cluster_ms_per_token)
 
-    def observe(self, cost: PrefillCost, first_token_ms: float) -> None:
-        """A prefill of `cost` (its queue's and its own) took `first_token_ms` to its first token."""
+    def observe(self, cost: PrefillCost, first_token_ms: float, load_ms: float | None = None) -> None:
+        """A prefill of `cost` (its queue's and its own; `fetched` and `cluster`: its own) took
+        `first_token_ms` to its first token, `load_ms` of it reading from its store (None: not
+        reported)."""
         if first_token_ms <= 0:
             return
         self._recent.append((cost.requests, cost.tokens, cost.fetched, cost.cluster, first_token_ms))
+        if load_ms is not None and load_ms >= 0:
+            self._loads.append((1, cost.fetched, cost.cluster, load_ms))
         self.samples += 1
         if len(self._recent) >= self.MIN_SAMPLES and self.samples % self.REFIT_EVERY == 0:
             self._fit()
 
     def _fit(self) -> None:
-        """A coefficient the samples cannot tell (its column never varies) or that comes out
-        negative keeps its value; the others are fitted again without it."""
+        told: set[str] = set()
+        loads = ("", "fetch_ms_per_token", "cluster_ms_per_token")  # "": the fixed part, not kept
+        if len(self._loads) >= self.MIN_SAMPLES:
+            fit = _nonneg_lstsq(np.array(self._loads, dtype=np.float64),
+                                [0.0, self.fetch_ms_per_token, self.cluster_ms_per_token], intercept=True)
+            for name, v in zip(loads, fit, strict=True):
+                if name and v is not None:
+                    setattr(self, name, v)
+                    told.add(name)
         data = np.array(self._recent, dtype=np.float64)
-        k = len(self.NAMES)
-        x, y = data[:, :k], data[:, k]
-        free = [i for i in range(k) if np.ptp(x[:, i]) > 0]
-        while free:
-            fixed = [i for i in range(k) if i not in free]
-            rest = y - sum(x[:, i] * getattr(self, self.NAMES[i]) for i in fixed)
-            fit = np.linalg.lstsq(x[:, free], rest, rcond=None)[0]
-            if (fit >= 0).all():
-                for i, v in zip(free, fit, strict=True):
-                    setattr(self, self.NAMES[i], float(v))
-                self.fitted = frozenset(self.NAMES[i] for i in free)
-                return
-            free = [i for i, v in zip(free, fit, strict=True) if v >= 0]
+        if told:  # what the loads cost, out of the times to first token; fitted only from them
+            data[:, 4] -= data[:, 2] * self.fetch_ms_per_token + data[:, 3] * self.cluster_ms_per_token
+            data[:, 2:4] = 0
+        fit = _nonneg_lstsq(data, [getattr(self, n) for n in self.NAMES])
+        for name, v in zip(self.NAMES, fit, strict=True):
+            if v is not None:
+                setattr(self, name, v)
+                told.add(name)
+        self.fitted = frozenset(told)
+
+
+def _nonneg_lstsq(data: np.ndarray, given: list[float], intercept: bool = False) -> list[float | None]:
+    """Least squares of the last column on the others, each coefficient >= 0: one the samples
+    cannot tell (its column never varies) or that comes out negative is held at `given` and the
+    rest fitted again without it. `intercept`: the first column is all ones, fitted as such. Each
+    coefficient fitted, or None where it was held."""
+    k = data.shape[1] - 1
+    x, y = data[:, :k], data[:, k]
+    free = [i for i in range(k) if (intercept and i == 0) or np.ptp(x[:, i]) > 0]
+    while free:
+        fixed = [i for i in range(k) if i not in free]
+        rest = y - sum(x[:, i] * given[i] for i in fixed)
+        fit = np.linalg.lstsq(x[:, free], rest, rcond=None)[0]
+        if (fit >= 0).all():
+            out: list[float | None] = [None] * k
+            for i, v in zip(free, fit, strict=True):
+                out[i] = float(v)
+            return out
+        free = [i for i, v in zip(free, fit, strict=True) if v >= 0]
+    return [None] * k
 
 
 def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: int, coef: Coefficients) -> tuple[

@@ -363,7 +363,7 @@ class Router:
         q = route.prefill_queue or PrefillCost(0, 0, 0)
         self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens,
                                       u.cached_tokens_store - u.cached_tokens_cluster, u.cached_tokens_cluster),
-                          first_token_ms)
+                          first_token_ms, resp.timings.load_ms)
         hit = u.cached_tokens_local + u.cached_tokens_store
         self.metrics.count("prompt_tokens", prompt_tokens)
         self.metrics.count("hit_tokens_local", u.cached_tokens_local)
