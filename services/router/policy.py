@@ -68,12 +68,12 @@ class Coefficients:
 
     The two fetch coefficients are fitted to measured loads: the time each prefill spent reading
     its store's blocks (cluster fetches included) against how many it read from each, plus a fixed
-    part every load pays (which request_ms carries). Fitted to times to first token instead, they
-    came out as noise (a cluster token priced above a recomputed one), and prompts went where
-    their prefix was not. request_ms and prefill_ms_per_token are then fitted to the times to
-    first token, with what the loads cost taken out. Both by least squares over the last WINDOW
-    prefills; a coefficient the samples cannot tell (its column never varies) or that comes out
-    negative keeps its value. Owns those samples."""
+    part every load pays (which request_ms carries): inferred from times to first token instead,
+    queueing lands on whichever column happens to go with busy moments. request_ms and
+    prefill_ms_per_token are then fitted to the times to first token, with what the loads cost
+    taken out. Both by least squares over the last WINDOW prefills; a coefficient the samples
+    cannot tell (its column never varies) or that comes out negative keeps its value. Owns those
+    samples."""
 
     WINDOW, REFIT_EVERY, MIN_SAMPLES = 256, 16, 32
     NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token", "cluster_ms_per_token")
