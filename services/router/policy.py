@@ -113,18 +113,18 @@ class Coefficients:
 
     def _fit(self) -> None:
         told: set[str] = set()
-        loads = ("", "fetch_ms_per_token", "cluster_ms_per_token")  # "": the fixed part, not kept
+        data = np.array(self._recent, dtype=np.float64)
         if len(self._loads) >= self.MIN_SAMPLES:
+            fetch = self.NAMES[2:]  # columns 2 and 3 of the first-token samples
             fit = _nonneg_lstsq(np.array(self._loads, dtype=np.float64),
-                                [0.0, self.fetch_ms_per_token, self.cluster_ms_per_token], intercept=True)
-            for name, v in zip(loads, fit, strict=True):
-                if name and v is not None:
+                                [0.0, *(getattr(self, n) for n in fetch)], intercept=True)
+            for col, name, v in zip((2, 3), fetch, fit[1:], strict=True):  # fit[0]: the fixed part, not kept
+                if v is not None:
                     setattr(self, name, v)
                     told.add(name)
-        data = np.array(self._recent, dtype=np.float64)
-        if told:  # what the loads cost, out of the times to first token; fitted only from them
-            data[:, 4] -= data[:, 2] * self.fetch_ms_per_token + data[:, 3] * self.cluster_ms_per_token
-            data[:, 2:4] = 0
+                    # What the loads cost, out of the times to first token; fitted only from them.
+                    data[:, 4] -= data[:, col] * v
+                    data[:, col] = 0
         fit = _nonneg_lstsq(data, [getattr(self, n) for n in self.NAMES])
         for name, v in zip(self.NAMES, fit, strict=True):
             if v is not None:
