@@ -10,7 +10,7 @@ from torch import nn
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.model import packed_linear
+from pdserve.model import cpu_kernels, packed_linear
 from pdserve.model.loader import fingerprint, load_model
 from pdserve.model.packed_linear import PackedLinear, pack_linears, unpack_linears
 
@@ -73,6 +73,20 @@ def test_the_engine_packs_or_unpacks_the_model_it_is_given():
     auto = LLMEngine(loaded, EngineConfig(num_blocks=64, attention_backend="kernel"))
     assert auto.runner.linear_weights == "plain"  # the tiny model's linears are all below the bar
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+
+
+def test_auto_packs_only_where_the_c_gemm_does_not_serve_decode(monkeypatch):
+    """float32 decode steps take the C small-batch GEMM, which reads row-major weights: auto
+    leaves them plain there. bfloat16 has no C GEMM: auto packs (oneDNN, AMX where the CPU has it)."""
+    monkeypatch.setattr(packed_linear, "AUTO_MIN_WEIGHTS", 0)  # every tiny linear is over the bar
+    fp32 = load_model("tiny")
+    auto = LLMEngine(fp32, EngineConfig(num_blocks=64, attention_backend="kernel"))
+    assert auto.runner.linear_weights == ("plain" if cpu_kernels.small_gemm_available() else "packed")
+    if packed_linear.unavailable(torch.device("cpu"), torch.bfloat16) is None:
+        bf16 = load_model("tiny", torch.bfloat16)
+        auto = LLMEngine(bf16, EngineConfig(num_blocks=64, attention_backend="kernel"))
+        assert auto.runner.linear_weights == "packed"
+        assert isinstance(bf16.model.layers[0].mlp.w_down, PackedLinear)
 
 
 def test_auto_packs_only_linears_of_at_least_the_bar():

@@ -8,7 +8,7 @@ from pdserve import logs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.model import flash_backend, kernel_backend, packed_linear
+from pdserve.model import cpu_kernels, flash_backend, kernel_backend, packed_linear
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, RowOps, SeqPages
 from pdserve.model.llama import Transformer
 from pdserve.model.torch_backend import TorchBackend, TorchOps
@@ -100,15 +100,19 @@ def select_backend(requested: str, kv_cache: KVCache) -> tuple[AttentionBackend,
 
 def place_linear_weights(requested: str, model: Transformer, kv_cache: KVCache, backend: str) -> str:
     """EngineConfig.linear_weights made real on `model` (shared by every engine built on it):
-    "packed" or "plain", as chosen. "auto" packs, with the CPU kernel backend where oneDNN can, the
-    linears of at least packed_linear.AUTO_MIN_WEIGHTS weights: "packed" when it packed any."""
-    why_not = packed_linear.unavailable(kv_cache.tensor.device, kv_cache.tensor.dtype)
+    "packed" or "plain", as chosen. "auto", with the CPU kernel backend where oneDNN can, packs the
+    linears of at least packed_linear.AUTO_MIN_WEIGHTS weights ("packed" when it packed any),
+    unless the C small-batch GEMM serves the decode steps (float32 on AVX-512 or AVX2): it reads
+    the row-major weights, and beat oneDNN's packed ones at 1-32 rows (docs/perf-log.md, S30)."""
+    dtype = kv_cache.tensor.dtype
+    why_not = packed_linear.unavailable(kv_cache.tensor.device, dtype)
     if requested == "packed" and why_not:
         raise ValueError(f"linear_weights 'packed' is unavailable: {why_not}")
     if requested == "packed":
         packed_linear.pack_linears(model)
         return "packed"
-    if requested == "auto" and backend == "kernel" and why_not is None:
+    small_gemm = dtype == torch.float32 and cpu_kernels.small_gemm_available()
+    if requested == "auto" and backend == "kernel" and why_not is None and not small_gemm:
         return "packed" if packed_linear.pack_linears(model, packed_linear.AUTO_MIN_WEIGHTS) else "plain"
     packed_linear.unpack_linears(model)
     return "plain"

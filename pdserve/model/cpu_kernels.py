@@ -145,10 +145,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 # Decode steps up to this many rows take the small-batch GEMM; larger ones (prefill) take torch's.
-# At hidden 1024 x 12 layers (`pdserve bench row-ops`) it runs 1.3-1.55x torch's at 4-16 rows,
-# 1.1-1.2x at 32, about even at 2-3 and 64, 0.96-0.99x at 1. It serves every decode batch up to
-# here so that a row's result never depends on the batch around it (torch's GEMM gives row 0 of
-# 2 rows other bits than 1 row alone).
+# Over the 100M shape's linears, cold (docs/perf-log.md, S30), it keeps pace with oneDNN's packed
+# weights at 16-32 rows, leads it at 1-8, and leads torch's row-major GEMM (MKL) at every count
+# up to here. It serves every decode batch up to here so that a row's result never depends on the
+# batch around it (torch's GEMM gives row 0 of 2 rows other bits than 1 row alone).
 SMALL_GEMM_MAX_ROWS = 64
 
 

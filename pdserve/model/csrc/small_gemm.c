@@ -9,8 +9,13 @@
  *
  * Every output is the same sum in the same order whatever m and whichever tile computes it, so a
  * row's result does not depend on the batch around it. Built with AVX-512F (16 lanes, 4 x 4
- * tiles) or AVX2 + FMA (8 lanes, 4 x 2 tiles: AVX2 has 16 vector registers); elsewhere
+ * tiles) or AVX2 + FMA (8 lanes, 4 x 3 tiles: AVX2 has 16 vector registers); elsewhere
  * small_gemm_available() says 0 and callers use torch.
+ *
+ * A tile's accumulators stay in registers only when the compiler knows its shape: full tiles are
+ * inlined with constant rows and cols (one case per row count), and only the last, partial
+ * column block takes the generic loop. With runtime bounds the accumulators live on the stack,
+ * and a 16-row step ran at half the FMA rate (docs/perf-log.md, S30).
  */
 #include <stdint.h>
 
@@ -30,7 +35,7 @@ static inline vec vload_tail(const float *p, tail_mask m) { return _mm512_maskz_
 static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 #else
 #define LANES 8
-#define COLS 2
+#define COLS 3
 typedef __m256 vec;
 typedef __m256i tail_mask;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
@@ -55,7 +60,7 @@ int small_gemm_available(void) { return 1; }
 
 /* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch `ahead_rows` rows further
  * down w. The lanes past k (the last, masked chunk) add zeros. */
-static inline void tile(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t cols, int64_t k,
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t cols, int64_t k,
                         int64_t ahead_rows, float *out, int64_t out_stride, const float *bias) {
     vec acc[ROWS][COLS];
     for (int r = 0; r < ROWS; r++)
@@ -97,8 +102,19 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const floa
         const int64_t ahead = b + PREFETCH_BLOCKS < blocks - 1 ? PREFETCH_BLOCKS * COLS : 0;
         for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
             const int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
-            tile(x + r0 * x_stride, x_stride, rows, wb, cols, k, r0 == 0 ? ahead : 0,
-                 out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0);
+#define TILE(R, C) tile(x + r0 * x_stride, x_stride, R, wb, C, k, r0 == 0 ? ahead : 0, \
+                               out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0)
+            if (cols != COLS) {
+                TILE(rows, cols);
+                continue;
+            }
+            switch (rows) { /* ROWS is 4 */
+            case 1: TILE(1, COLS); break;
+            case 2: TILE(2, COLS); break;
+            case 3: TILE(3, COLS); break;
+            default: TILE(4, COLS); break;
+            }
+#undef TILE
         }
     }
 }
