@@ -46,13 +46,14 @@ def sample(
     generators: list[torch.Generator | None],
 ) -> tuple[list[int], list[float]]:
     """One token per row, with its logprob under the model's unmodified distribution."""
+    logprobs = torch.log_softmax(logits, dim=-1)
     # max() rather than argmax(): the same first maximal index, at a third of the time on the CPU.
     tokens = logits.max(dim=-1).indices.tolist()
     for row, p in enumerate(params):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generators[row])
-    picked = logits[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long, device=logits.device)]
-    return tokens, (picked - torch.logsumexp(logits, dim=-1)).tolist()
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    return tokens, chosen
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
