@@ -37,8 +37,9 @@ class EngineConfig:
     device: str = "cpu"
     # "packed": every linear's weight reordered once into oneDNN's layout (model/packed_linear.py;
     # CPU, float32 or bfloat16), an error where it cannot be. "plain": nn.Linear's row-major weights
-    # (and, for float32 decode steps, the C small-batch GEMM). "auto": with the "kernel" backend
-    # where oneDNN can, linears of at least 2^20 weights packed (a 1024-wide model's), others plain.
+    # (and, for float32 decode steps, the C small-batch GEMM). "auto": plain where that GEMM serves
+    # (float32 on AVX-512 or AVX2); otherwise, with the "kernel" backend where oneDNN can, linears
+    # of at least 2^20 weights packed (a 1024-wide model's in bfloat16, say), others plain.
     linear_weights: str = "auto"
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ class WorkerConfig:
     device: str = field("auto", "auto | cpu | cuda | cuda:N: where weights, KV pages and sampling live (auto: CUDA "
                                 "when torch sees a GPU)")
     attention_backend: str = field("auto", "auto | kernel (C, CPU) | flash (CUDA) | torch (any device)")
-    linear_weights: str = field("auto", "auto | packed (reordered once for oneDNN: CPU, float32 or bfloat16) | plain")
+    linear_weights: str = field("auto", "auto (plain for float32 where the C decode GEMM is built, else packed "
+                                "where it pays) | packed (reordered once for oneDNN: CPU, float32 or bfloat16) | plain")
     kv_path: str = field("auto", "how the transfer engine reaches the KV pages: direct (their own memory), staged "
                                  "(through a registered host buffer), auto (direct for host pages, staged for GPU)")
     kv_staging_blocks: int = field(0, "staged KV path: host buffer size in blocks (0: four of the longest prompts)")

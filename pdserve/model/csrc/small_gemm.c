@@ -14,8 +14,8 @@
  *
  * A tile's accumulators stay in registers only when the compiler knows its shape: full tiles are
  * inlined with constant rows and cols (one case per row count), and only the last, partial
- * column block takes the generic loop. With runtime bounds the accumulators live on the stack,
- * and a 16-row step ran at half the FMA rate (docs/perf-log.md, S30).
+ * column block takes the generic loop. With runtime bounds they lived on the stack, and 16 rows
+ * ran at little more than half the FMA rate (docs/perf-log.md, S30).
  */
 #include <stdint.h>
 
