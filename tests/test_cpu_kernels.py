@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from pdserve.model import cpu_kernels
 from pdserve.model.rope import RotaryEmbedding, rotate
+from pdserve.native import build
 
 LAYERS, BLOCK = 3, 16
 
@@ -100,23 +102,48 @@ def test_row_ops_match_torch():
     assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
 
 
+def _avx2_linear():
+    """small_gemm.c built without AVX-512: the 4 x 3 tiles AVX2-only CPUs run, checked here too."""
+    lib = build("small_gemm_avx2", [cpu_kernels.SOURCES[2]], [*cpu_kernels.FLAGS, "-mno-avx512f"],
+                cpu_kernels.LINK_FLAGS)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+
+    def linear(x, w, bias=None):
+        out = torch.empty(x.shape[0], w.shape[0])
+        lib.small_gemm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                           out.data_ptr(), w.shape[0], x.shape[0], w.shape[0], x.shape[1], 2)
+        return out
+    return linear
+
+
 @pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="no AVX-512 or AVX2 + FMA here")
+@pytest.mark.parametrize("build_for", ["this CPU", "AVX2"])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 256), (16, 1408, 256), (5, 258, 704), (3, 7, 19), (64, 33, 100)])
-def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, n, k):
+def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, n, k, build_for):
+    if build_for == "AVX2" and not cpu_has("avx2", "fma"):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    linear = cpu_kernels.linear if build_for == "this CPU" else _avx2_linear()
     gen = torch.Generator().manual_seed(m * 1000 + n)
     wide = torch.randn(m, k + 5, generator=gen)
     x = wide[:, :k]  # rows strided, as a slice of a wider buffer
     w = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    out = cpu_kernels.linear(x, w, bias)
+    out = linear(x, w, bias)
     exact = x.double() @ w.double().t() + bias.double()
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert (out.double() - exact).abs().max().item() < 2e-5 * k ** 0.5
-    torch.testing.assert_close(cpu_kernels.linear(x, w), out - bias, atol=1e-5, rtol=1e-5)
-    # A row's result is the same sum whatever rows surround it (tiles of 4, leftovers, m = 1).
+    torch.testing.assert_close(linear(x, w), out - bias, atol=1e-5, rtol=1e-5)
+    # A row's result is the same sum whatever rows surround it (full tiles, leftovers, m = 1).
     for i in range(m):
-        assert torch.equal(cpu_kernels.linear(x[i:i + 1].contiguous(), w, bias)[0], out[i])
-    assert torch.equal(cpu_kernels.linear(x[m // 2:], w, bias), out[m // 2:])
+        assert torch.equal(linear(x[i:i + 1].contiguous(), w, bias)[0], out[i])
+    assert torch.equal(linear(x[m // 2:], w, bias), out[m // 2:])
+
+
+def cpu_has(*flags: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return all(flag in have for flag in flags)
 
 
 def test_kernels_refuse_inputs_they_cannot_read():
