@@ -145,8 +145,8 @@ async def _rows(profile: HashProfile, tokens_list: list[int], repeats: int, mast
 def per_token_costs(cluster: list[dict], store_rows: list[dict]) -> None:
     """Adds to each cluster row what a token's KV costs to get, in microseconds: from the cluster
     tier, and from a node's own store (its row of the same layout and size, same run). What
-    recomputing it costs at this layout is not measured here (no model of this shape runs on the
-    machine); `pdserve bench compare --store-nodes` reports the router's fitted figures for all three."""
+    recomputing it costs is measured beside them (recompute_cost.py); `pdserve bench compare
+    --store-nodes` reports the router's fitted figures for all three."""
     for r in cluster:
         per_token = r["bytes"] / r["tokens"]
         r["cluster_get_us_per_token"] = per_token / (r["tier_get_gbps"] * GB) * 1e6

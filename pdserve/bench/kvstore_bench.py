@@ -287,11 +287,17 @@ def run(args: argparse.Namespace) -> None:
     figures = {"rows": rows, "full_store_tiny": full, "block_size": args.block_size}
     if args.cluster:
         from pdserve.bench.cluster_bench import cluster_rows, per_token_costs
+        from pdserve.bench.recompute_cost import recompute_cost
 
         layout = "7b" if "7b" in args.layouts else "tiny"
         cluster = cluster_rows(_layouts(args.block_size)[layout], args.cluster_tokens, args.repeats)
         per_token_costs(cluster, rows)
         figures["cluster_rows"] = cluster
+        if layout == "7b":  # (the tiny layout is no model's shape to recompute)
+            figures["recompute"] = recompute = recompute_cost(_layouts(args.block_size)[layout].layout)
+            lines.append(f"  7b: a token's KV recomputed {recompute['recompute_us_per_token']:.0f} us (one layer of "
+                         f"the shape, {recompute['dtype']}, {recompute['prompt_tokens']}-token prefill: "
+                         f"{recompute['layer_ms']:.1f} ms, times the layout's layers)")
         lines += [f"{r['layout']:>4} {r['tokens']:>6} tok {r['bytes'] / 2**20:8.1f} MiB: cluster tier put "
                   f"{r['tier_put_gbps']:.2f} get {r['tier_get_gbps']:.2f} GB/s, raw mooncake put "
                   f"{r['raw_put_gbps']:.2f} get {r['raw_get_gbps']:.2f}  tier/raw put {r['put_vs_raw']:.2f} "
