@@ -290,11 +290,12 @@ def run(args: argparse.Namespace) -> None:
         from pdserve.bench.recompute_cost import recompute_cost
 
         layout = "7b" if "7b" in args.layouts else "tiny"
-        cluster = cluster_rows(_layouts(args.block_size)[layout], args.cluster_tokens, args.repeats)
+        profile = _layouts(args.block_size)[layout]
+        cluster = cluster_rows(profile, args.cluster_tokens, args.repeats)
         per_token_costs(cluster, rows)
         figures["cluster_rows"] = cluster
         if layout == "7b":  # (the tiny layout is no model's shape to recompute)
-            figures["recompute"] = recompute = recompute_cost(_layouts(args.block_size)[layout].layout)
+            figures["recompute"] = recompute = recompute_cost(profile.layout)
             lines.append(f"  7b: a token's KV recomputed {recompute['recompute_us_per_token']:.0f} us (one layer of "
                          f"the shape, {recompute['dtype']}, {recompute['prompt_tokens']}-token prefill: "
                          f"{recompute['layer_ms']:.1f} ms, times the layout's layers)")

@@ -145,8 +145,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 # Decode steps up to this many rows take the small-batch GEMM; larger ones (prefill) take torch's.
-# Over the 100M shape's linears, cold (docs/perf-log.md, S30), it keeps pace with oneDNN's packed
-# weights at 16-32 rows, leads it at 1-8, and leads torch's row-major GEMM (MKL) at every count
+# Over the 100M shape's linears, cold (docs/perf-log.md, S30), it leads oneDNN's packed weights at
+# 1-16 rows, is even at 32 and behind at 64, and leads torch's row-major GEMM (MKL) at every count
 # up to here. It serves every decode batch up to here so that a row's result never depends on the
 # batch around it (torch's GEMM gives row 0 of 2 rows other bits than 1 row alone).
 SMALL_GEMM_MAX_ROWS = 64

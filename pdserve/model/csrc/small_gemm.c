@@ -60,8 +60,9 @@ int small_gemm_available(void) { return 1; }
 
 /* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch `ahead_rows` rows further
  * down w. The lanes past k (the last, masked chunk) add zeros. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t cols, int64_t k,
-                        int64_t ahead_rows, float *out, int64_t out_stride, const float *bias) {
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int64_t rows,
+                                                       const float *w, int64_t cols, int64_t k, int64_t ahead_rows,
+                                                       float *out, int64_t out_stride, const float *bias) {
     vec acc[ROWS][COLS];
     for (int r = 0; r < ROWS; r++)
         for (int c = 0; c < COLS; c++) acc[r][c] = vzero();
@@ -108,11 +109,12 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const floa
                 TILE(rows, cols);
                 continue;
             }
-            switch (rows) { /* ROWS is 4 */
+            switch (rows) {
             case 1: TILE(1, COLS); break;
             case 2: TILE(2, COLS); break;
             case 3: TILE(3, COLS); break;
-            default: TILE(4, COLS); break;
+            case 4: TILE(4, COLS); break;
+            default: TILE(rows, COLS); break; /* (none while ROWS is 4) */
             }
 #undef TILE
         }
