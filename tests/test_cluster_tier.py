@@ -20,7 +20,7 @@ from pdserve.kv.checksum import checksum_of
 from pdserve.kv.hashing import root_hash
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import MooncakeMaster
-from services.kvstore.cluster import TRAILER, object_key, object_nbytes
+from services.kvstore.cluster import TRAILER, blocks_held, object_key, object_nbytes, segment_bytes_holding
 from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, tier_stats, wait_for
 from tests.support.procs import listening
@@ -67,6 +67,15 @@ def _get(client: LocalClient, seed: int, indices: list[int]) -> tuple[int, list[
     got = client.call(StoreClient.get, hashes, [client.buf.addr(j) for j in range(len(indices))])
     return got.num_blocks, [torch.equal(client.buf.block(j), block_data(seed, i))
                             for j, i in enumerate(indices[: got.num_blocks])]
+
+
+def test_a_segment_sized_for_n_blocks_holds_exactly_n():
+    """Objects are larger than blocks and the master evicts from 90% full: 64 MiB lent for 1,024
+    blocks of 64 KiB holds 867 (the bench's "same capacity" counted 1,024 before S30)."""
+    assert blocks_held(1024 * 65536, 65536) == 867
+    for nbytes in (BLOCK, 65536, 2 << 20):
+        for n in (1, 7, 1024, 2048):
+            assert blocks_held(segment_bytes_holding(n, nbytes), nbytes) == n
 
 
 def test_blocks_leaving_one_node_are_served_by_another_bit_exact(shared_redis_url, key_prefix, master):

@@ -249,7 +249,8 @@ def add_parser(sub) -> None:
     p.add_argument("--store-nodes", type=int, default=1,
                    help="N > 1: N store nodes, isolated and then sharing a Mooncake cluster tier (same total capacity)")
     p.add_argument("--cluster-segment-tokens", type=int, default=16384,
-                   help="--store-nodes: each node's segment of the cluster tier, in tokens (isolated: as more DRAM)")
+                   help="--store-nodes: each node's segment of the cluster tier, in tokens it holds (isolated: as "
+                        "more DRAM)")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.runtime.launch import MooncakeMaster, RedisServer, ServiceProcess, free_port, redis_reachable
+from services.kvstore.cluster import segment_bytes_holding
 
 
 @dataclass
@@ -31,7 +32,8 @@ class DeploySpec:
     extra_worker_flags: tuple[str, ...] = ()
     # Store nodes (node-0 ...), store_cache_tokens split evenly over them; workers spread over them
     # in turn. With cluster_segment_tokens, a mooncake_master and a cluster tier below every
-    # node's DRAM, to which each node lends that much memory.
+    # node's DRAM, to which each node lends a segment that holds that many tokens (its objects are
+    # larger than blocks, and the master evicts before a segment is full: cluster.py).
     store_nodes: int = 1
     cluster_segment_tokens: int = 0
 
@@ -82,7 +84,8 @@ class Deployment:
         if s.cluster_segment_tokens:
             self.master = MooncakeMaster().start()
             cluster = ["--cluster-store", "mooncake", "--cluster-master", self.master.address,
-                       "--cluster-segment-bytes", str(s.cluster_segment_tokens // s.block_size * s.block_nbytes)]
+                       "--cluster-segment-bytes",
+                       str(segment_bytes_holding(s.cluster_segment_tokens // s.block_size, s.block_nbytes))]
         store_blocks = max(16, s.store_cache_tokens // s.store_nodes // s.block_size)
         device = store_blocks // 4
         stores = [self._add(ServiceProcess(

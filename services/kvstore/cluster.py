@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import queue
 import struct
 import threading
@@ -53,6 +54,17 @@ RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster 
 def object_nbytes(block_nbytes: int) -> int:
     """An object's size in the cluster: the block's bytes, its checksum, zeros to OBJECT_ALIGN."""
     return -(-(block_nbytes + TRAILER) // OBJECT_ALIGN) * OBJECT_ALIGN
+
+
+def blocks_held(segment_bytes: int, block_nbytes: int) -> int:
+    """How many blocks a segment of `segment_bytes` holds before the master evicts (it starts at
+    MASTER_HIGH_WATERMARK full): objects are block_nbytes rounded up (object_nbytes)."""
+    return int(segment_bytes * MASTER_HIGH_WATERMARK) // object_nbytes(block_nbytes)
+
+
+def segment_bytes_holding(blocks: int, block_nbytes: int) -> int:
+    """The smallest segment that holds `blocks` blocks before the master evicts (blocks_held's inverse)."""
+    return math.ceil((blocks * object_nbytes(block_nbytes) + 1) / MASTER_HIGH_WATERMARK)
 
 
 def object_key(profile_root: bytes, block_hash: bytes) -> str:
@@ -131,9 +143,8 @@ class ClusterTier:
             self._ready(client)
 
     def capacity_blocks(self) -> int:
-        """How many blocks this node's segment holds before the master evicts (it starts at
-        MASTER_HIGH_WATERMARK full)."""
-        return int(self.cfg.segment_bytes * MASTER_HIGH_WATERMARK) // self.stride
+        """How many blocks this node's segment holds before the master evicts."""
+        return blocks_held(self.cfg.segment_bytes, self.block_nbytes)
 
     def key(self, block_hash: bytes) -> str:
         return object_key(self.profile_root, block_hash)
