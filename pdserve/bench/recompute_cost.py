@@ -1,7 +1,8 @@
 """What recomputing a token's KV costs at a KV layout's model shape, measured on this machine.
 
-A whole 7B model does not fit a small host's memory, and a prefill's time is its layers' (the
-LM head runs on one row per prompt): so one decoder layer of the shape (Llama-3-8B's widths for
+A whole 7-8B model would take most of a small host's memory (16 GB in bfloat16) and minutes to
+build from random weights, and a prefill's time is its layers' (the LM head runs on one row per
+prompt): so one decoder layer of the shape (Llama-3-8B's widths for
 the 7B-shaped layout: 32 query heads of the layout's head size, its KV heads, MLP 3.5x hidden)
 prefills a prompt through pdserve's engine, and the figure is its time per token times the
 layout's layer count. bfloat16 where oneDNN runs it (AMX or AVX512-BF16), float32 otherwise.
