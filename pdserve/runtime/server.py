@@ -200,11 +200,15 @@ def _wrap_stream(fn, method: str):
         return _wrap_unary(fn, method)  # a streaming handler that writes with context.write()
 
     async def wrapped(request, context):
+        # Written here with context.write(), not yielded to grpc: a Cancel that lands while a
+        # message is being sent then raises in this frame too, so the call still ends CANCELLED
+        # (yielded, it raised inside grpc's own loop, which ended the call with no status at all,
+        # and the caller waited to its deadline).
         try:
             if (bad := _undecodable(request)) is not None:
                 raise bad
             async for item in fn(request, context):
-                yield item
+                await context.write(item)
         except asyncio.CancelledError:
             await _cancelled_here(context)
             raise
