@@ -203,7 +203,8 @@ def _wrap_stream(fn, method: str):
         # Written here with context.write(), not yielded to grpc: a Cancel that lands while a
         # message is being sent then raises in this frame too, so the call still ends CANCELLED
         # (yielded, it raised inside grpc's own loop, which ended the call with no status at all,
-        # and the caller waited to its deadline).
+        # and the caller waited to its deadline). Still an async generator, yielding nothing:
+        # interceptors (OpenTelemetry's) iterate a streaming handler.
         try:
             if (bad := _undecodable(request)) is not None:
                 raise bad
@@ -216,6 +217,8 @@ def _wrap_stream(fn, method: str):
             raise
         except Exception as e:  # noqa: BLE001
             await _abort(context, e, method)
+        return
+        yield  # (unreached: makes this an async generator)
 
     return wrapped
 
