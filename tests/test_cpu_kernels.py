@@ -102,6 +102,12 @@ def test_row_ops_match_torch():
     assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
 
 
+def cpu_has(*flags: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return all(flag in have for flag in flags)
+
+
 def _avx2_linear():
     """small_gemm.c built without AVX-512: the 4 x 3 tiles AVX2-only CPUs run, checked here too."""
     lib = build("small_gemm_avx2", [cpu_kernels.SOURCES[2]], [*cpu_kernels.FLAGS, "-mno-avx512f"],
@@ -139,11 +145,6 @@ def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, 
         assert torch.equal(linear(x[i:i + 1].contiguous(), w, bias)[0], out[i])
     assert torch.equal(linear(x[m // 2:], w, bias), out[m // 2:])
 
-
-def cpu_has(*flags: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return all(flag in have for flag in flags)
 
 
 def test_kernels_refuse_inputs_they_cannot_read():

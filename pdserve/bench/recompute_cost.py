@@ -62,8 +62,10 @@ def recompute_cost(layout: KVLayout, tokens: int = 512, repeats: int = 3) -> dic
     dtype = torch.bfloat16 if packed_linear.unavailable(torch.device("cpu"), torch.bfloat16) is None \
         else torch.float32
     loaded = one_layer(layout, dtype)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=-(-tokens // 16) + 8, max_num_batched_tokens=tokens,
-                                            max_num_seqs=1, enable_prefix_caching=False))
+    bs = layout.block_size
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=-(-tokens // bs) + 8, block_size=bs,
+                                            max_num_batched_tokens=tokens, max_num_seqs=1,
+                                            enable_prefix_caching=False))
     prompt = [(i * 131 + 17) % BYTE_VOCAB_SIZE for i in range(tokens)]
     times = []
     for _ in range(repeats + 1):
