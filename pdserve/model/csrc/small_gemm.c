@@ -3,9 +3,13 @@
  *
  * At decode batch sizes the weights are read once per step and come from DRAM (the KV cache
  * streamed through the caches since the last step). The BLAS GEMV/GEMM paths read them at a
- * fraction of the machine's stream bandwidth; this kernel streams each thread's weight rows with
- * software prefetch a few row blocks ahead, and keeps x in L1: tiles of ROWS x rows by COLS
- * weight rows, one vector accumulator per output along k, each reduced once at the end.
+ * fraction of the machine's stream bandwidth. This kernel gives each thread a contiguous share of
+ * the weight rows and walks it in chunks that fit in L2: every row tile of x (ROWS rows, in L1)
+ * against every block of COLS weight rows of the chunk, one vector accumulator per output along
+ * k, each reduced once at the end. Meanwhile it prefetches the next chunk, spread over all of this
+ * chunk's tiles, so that at several row tiles the weights stream from memory while the later
+ * tiles compute from cache (prefetching only during the first tile left memory idle for the rest:
+ * 16 rows took the time of 4 plus three compute passes; docs/perf-log.md, S31).
  *
  * Every output is the same sum in the same order whatever m and whichever tile computes it, so a
  * row's result does not depend on the batch around it. Built with AVX-512F (16 lanes, 4 x 4
@@ -21,6 +25,7 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#include <omp.h>
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -54,30 +59,45 @@ static inline float vsum(vec a) {
 #endif
 
 #define ROWS 4
-#define PREFETCH_BLOCKS 4 /* blocks of COLS weight rows ahead */
+/* Weights are streamed a chunk of this many bytes ahead, into L2 (so that a chunk and the next fit
+ * there together, and the next does not evict the tile's operands from L1). */
+#define CHUNK_BYTES (192 * 1024)
+#define PF_HINT _MM_HINT_T1
+/* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
+ * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
+ * for 16 FMAs instead of 8, which bounds the tile by the load ports on CPUs with one 512-bit load
+ * a cycle (Zen 4: 16 rows ran 22% slower; docs/perf-log.md, S31). */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 int small_gemm_available(void) { return 1; }
 
-/* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch `ahead_rows` rows further
- * down w. The lanes past k (the last, masked chunk) add zeros. */
+/* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch the `pf_lines` cache lines
+ * from `pf` on, spread evenly over the k steps. The lanes past k (the last, masked chunk) add zeros. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int64_t rows,
-                                                       const float *w, int64_t cols, int64_t k, int64_t ahead_rows,
-                                                       float *out, int64_t out_stride, const float *bias) {
+                                                       const float *w, int64_t cols, int64_t k, const char *pf,
+                                                       int64_t pf_lines, float *out, int64_t out_stride,
+                                                       const float *bias) {
+    const int64_t steps = k / LANES > 0 ? k / LANES : 1;
+    int64_t pf_done = 0, pf_credit = 0; /* pf_lines / steps lines a step, without a division */
     vec acc[ROWS][COLS];
     for (int r = 0; r < ROWS; r++)
         for (int c = 0; c < COLS; c++) acc[r][c] = vzero();
     int64_t i = 0;
     for (; i + LANES <= k; i += LANES) {
         vec wv[COLS];
+        for (pf_credit += pf_lines; pf_credit >= steps; pf_credit -= steps)
+            _mm_prefetch(pf + 64 * pf_done++, PF_HINT);
         for (int c = 0; c < cols; c++) {
-            if (ahead_rows) _mm_prefetch((const char *)(w + (ahead_rows + c) * k + i), _MM_HINT_T0);
             wv[c] = vload(w + c * k + i);
+            IN_REGISTER(wv[c]);
         }
         for (int r = 0; r < rows; r++) {
-            const vec xv = vload(x + r * x_stride + i);
+            vec xv = vload(x + r * x_stride + i);
+            IN_REGISTER(xv);
             for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
         }
     }
+    for (; pf_done < pf_lines; pf_done++) _mm_prefetch(pf + pf_done * 64, PF_HINT);
     if (i < k) {
         const tail_mask mask = mask_of(k - i);
         vec wv[COLS];
@@ -92,31 +112,60 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             out[r * out_stride + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
+/* `tile` with its shape as constants where it is a full one (one case per row count); only the last,
+ * partial column block takes the generic loop. */
+static inline __attribute__((always_inline)) void row_tile(const float *x, int64_t x_stride, int64_t rows,
+                                                           const float *w, int64_t cols, int64_t k, const char *pf,
+                                                           int64_t pf_lines, float *out, int64_t out_stride,
+                                                           const float *bias) {
+#define TILE(R, C) tile(x, x_stride, R, w, C, k, pf, pf_lines, out, out_stride, bias)
+    if (cols != COLS) {
+        TILE(rows, cols);
+        return;
+    }
+    switch (rows) {
+    case 1: TILE(1, COLS); break;
+    case 2: TILE(2, COLS); break;
+    case 3: TILE(3, COLS); break;
+    case 4: TILE(4, COLS); break;
+    default: TILE(rows, COLS); break; /* (none while ROWS is 4) */
+    }
+#undef TILE
+}
+
 void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
                     int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = (n + COLS - 1) / COLS; /* the last may hold fewer than COLS rows */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *wb = w + b * COLS * k;
-        const int64_t cols = n - b * COLS < COLS ? n - b * COLS : COLS;
-        /* Prefetch within this thread's share of w: static scheduling gives each a contiguous run. */
-        const int64_t ahead = b + PREFETCH_BLOCKS < blocks - 1 ? PREFETCH_BLOCKS * COLS : 0;
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
-#define TILE(R, C) tile(x + r0 * x_stride, x_stride, R, wb, C, k, r0 == 0 ? ahead : 0, \
-                               out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0)
-            if (cols != COLS) {
-                TILE(rows, cols);
-                continue;
+    const int64_t block_bytes = COLS * k * (int64_t)sizeof(float);
+    const int64_t row_tiles = (m + ROWS - 1) / ROWS;
+    /* Blocks per chunk: a chunk and the next one, being prefetched, fit in L2 together. */
+    int64_t chunk = CHUNK_BYTES / block_bytes;
+    if (chunk < 1) chunk = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = blocks * t / nt, hi = blocks * (t + 1) / nt; /* this thread's contiguous share */
+        for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < hi ? c0 + chunk : hi;
+            /* What to prefetch meanwhile: the next chunk of this thread's share (contiguous in w),
+             * spread evenly over every tile of this chunk, so that the weights stream from memory
+             * while the row tiles compute from cache, not only during the first. */
+            const int64_t next1 = c1 + chunk < hi ? c1 + chunk : hi;
+            const char *pf = (const char *)(w + c1 * COLS * k);
+            const int64_t next_rows = (next1 * COLS < n ? next1 * COLS : n) - c1 * COLS;
+            const int64_t lines = next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
+            const int64_t tiles = (c1 - c0) * row_tiles;
+            int64_t done = 0, tile_i = 0;
+            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+                const int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
+                for (int64_t b = c0; b < c1; b++) {
+                    const int64_t cols = n - b * COLS < COLS ? n - b * COLS : COLS;
+                    const int64_t upto = lines * ++tile_i / tiles;
+                    row_tile(x + r0 * x_stride, x_stride, rows, w + b * COLS * k, cols, k, pf + done * 64, upto - done,
+                             out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0);
+                    done = upto;
+                }
             }
-            switch (rows) {
-            case 1: TILE(1, COLS); break;
-            case 2: TILE(2, COLS); break;
-            case 3: TILE(3, COLS); break;
-            case 4: TILE(4, COLS); break;
-            default: TILE(rows, COLS); break; /* (none while ROWS is 4) */
-            }
-#undef TILE
         }
     }
 }
