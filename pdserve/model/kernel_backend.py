@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.model import cpu_kernels
+from pdserve.model import cpu_kernels, packed_linear
 from pdserve.model.attention import AttentionMetadata, SeqPages
 from pdserve.model.torch_backend import SeqAttention, TorchBackend, TorchOps
 
@@ -73,16 +73,23 @@ class CpuKernelBackend(TorchBackend):
 
 class CpuKernelOps(TorchOps):
     """The C row ops, float32 only (the runner picks them for float32 models only). Linears of
-    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks), reordered for oneDNN, or on CPUs without
-    AVX-512 or AVX2, stay the module's own."""
+    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks) go to oneDNN over the same row-major
+    weight; those reordered for oneDNN, or on CPUs without AVX-512 or AVX2, stay the module's own."""
 
     def __init__(self) -> None:
         self._small_gemm = cpu_kernels.small_gemm_available()
+        self._onednn = packed_linear.unavailable(torch.device("cpu"), torch.float32) is None
 
     def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # A PackedLinear (EngineConfig.linear_weights) has no row-major weight for the C GEMM.
-        if self._small_gemm and type(mod) is nn.Linear and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
+        if type(mod) is not nn.Linear:
+            return mod(x)
+        if self._small_gemm and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.linear(x, mod.weight, mod.bias)
+        if self._onednn:
+            # Prompt chunks: oneDNN over the row-major weight rather than torch's default (MKL), which
+            # on AMD CPUs took 15% longer (docs/perf-log.md, S31).
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), mod.weight, mod.bias, "none", [], "")
         return mod(x)
 
     def rotate(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
