@@ -139,9 +139,15 @@ PRIMITIVES(f32, float)
 PRIMITIVES(bf16, uint16_t)
 
 /* Ask for the next page while this one is computed: pages lie scattered, and the hardware
- * prefetcher starts cold at each one. */
+ * prefetcher starts cold at each one. Into L2 (prefetcht1), not L1, and in shares between the
+ * query heads' dots rather than in one burst: on Zen 4 the burst of L1 prefetches stalled on its
+ * few miss buffers (8 layers of batch-16 attention: 9.4-12 ms before, 6.1-6.5 ms now;
+ * docs/perf-log.md, S31). */
+static inline void prefetch_span(const char *p, int64_t lo, int64_t hi) {
+    for (int64_t off = lo; off < hi; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
 static inline void prefetch_rows(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
 
 /* softmax in place over n scores. */
@@ -167,6 +173,7 @@ static void softmax(float *s, int64_t n) {
         const int64_t head_stride = block_size * head_dim;                                          \
         const int64_t kv_stride = kv_heads * head_stride;       /* K -> V of one layer */           \
         const int64_t page_stride = num_layers * 2 * kv_stride; /* one page's slab */               \
+        const int64_t lines = (head_stride * (int64_t)sizeof(T) + 63) / 64; /* one page of one head */ \
         int failed = 0;                                                                             \
         _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                       \
         for (int64_t work = 0; work < n * kv_heads; work++) {                                       \
@@ -184,14 +191,17 @@ static void softmax(float *s, int64_t n) {
             }                                                                                       \
             for (int64_t p = 0; p < pages; p++) {                                                   \
                 const T *k = base + table[p] * page_stride;                                         \
-                if (p + 1 < pages) { /* this page's V too: the V pass then finds it in L2 */             \
-                    prefetch_rows(base + table[p + 1] * page_stride, head_stride * (int64_t)sizeof(T)); \
-                    prefetch_rows(base + table[p] * page_stride + kv_stride, head_stride * (int64_t)sizeof(T)); \
-                }                                                                                   \
                 const int64_t slots = p == pages - 1 ? ctx - p * block_size : block_size;           \
-                for (int64_t j = 0; j < group; j++)                                                 \
+                for (int64_t j = 0; j < group; j++) {                                               \
+                    if (p + 1 < pages) { /* the next page's K and this page's V (the V pass then    \
+                                            finds it in L2), a share before each query head */      \
+                        const int64_t lo = lines * j / group * 64, hi = lines * (j + 1) / group * 64;   \
+                        prefetch_span((const char *)(base + table[p + 1] * page_stride), lo, hi);    \
+                        prefetch_span((const char *)(base + table[p] * page_stride + kv_stride), lo, hi); \
+                    }                                                                               \
                     dots_##SUF(qs + j * head_dim, k, slots, head_dim, scale,                        \
                                scores + j * ctx + p * block_size);                                  \
+                }                                                                                   \
             }                                                                                       \
             for (int64_t j = 0; j < group; j++) softmax(scores + j * ctx, ctx);                     \
             for (int64_t j = 0; j < group * head_dim; j++) os[j] = 0.0f;                            \
