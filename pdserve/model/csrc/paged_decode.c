@@ -146,9 +146,6 @@ PRIMITIVES(bf16, uint16_t)
 static inline void prefetch_span(const char *p, int64_t lo, int64_t hi) {
     for (int64_t off = lo; off < hi; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
-static inline void prefetch_rows(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
-}
 
 /* softmax in place over n scores. */
 static void softmax(float *s, int64_t n) {
@@ -208,7 +205,7 @@ static void softmax(float *s, int64_t n) {
             for (int64_t p = 0; p < pages; p++) {                                                   \
                 const T *v = base + table[p] * page_stride + kv_stride;                             \
                 if (p + 1 < pages)                                                                  \
-                    prefetch_rows(base + table[p + 1] * page_stride + kv_stride, head_stride * (int64_t)sizeof(T)); \
+                    prefetch_span((const char *)(base + table[p + 1] * page_stride + kv_stride), 0, lines * 64); \
                 const int64_t slots = p == pages - 1 ? ctx - p * block_size : block_size;           \
                 for (int64_t j = 0; j < group; j++)                                                 \
                     axpy_##SUF(scores + j * ctx + p * block_size, v, slots, head_dim,               \
