@@ -72,9 +72,10 @@ class CpuKernelBackend(TorchBackend):
 
 
 class CpuKernelOps(TorchOps):
-    """The C row ops, float32 only (the runner picks them for float32 models only). Linears of
-    more than SMALL_GEMM_MAX_ROWS rows (prompt chunks) go to oneDNN over the same row-major
-    weight; those reordered for oneDNN, or on CPUs without AVX-512 or AVX2, stay the module's own."""
+    """The C row ops, float32 only (the runner picks them for float32 models only). Linears of up
+    to SMALL_GEMM_MAX_ROWS rows (decode steps) take the C GEMM, longer ones (prompt chunks) oneDNN
+    over the same row-major weight; linears reordered for oneDNN, and decode rows on CPUs without
+    AVX-512 or AVX2, stay the module's own."""
 
     def __init__(self) -> None:
         self._small_gemm = cpu_kernels.small_gemm_available()
@@ -84,8 +85,8 @@ class CpuKernelOps(TorchOps):
         # A PackedLinear (EngineConfig.linear_weights) has no row-major weight for the C GEMM.
         if type(mod) is not nn.Linear:
             return mod(x)
-        if self._small_gemm and x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
-            return cpu_kernels.linear(x, mod.weight, mod.bias)
+        if x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
+            return cpu_kernels.linear(x, mod.weight, mod.bias) if self._small_gemm else mod(x)
         if self._onednn:
             # Prompt chunks: oneDNN over the row-major weight rather than torch's default (MKL), which
             # on AMD CPUs took 15% longer (docs/perf-log.md, S31).

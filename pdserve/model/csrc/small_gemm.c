@@ -66,7 +66,7 @@ static inline float vsum(vec a) {
 /* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
  * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
  * for 16 FMAs instead of 8, which bounds the tile by the load ports on CPUs with one 512-bit load
- * a cycle (Zen 4: 16 rows ran 22% slower; docs/perf-log.md, S31). */
+ * a cycle (Zen 4: 16 rows took 22% longer; docs/perf-log.md, S31). */
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 int small_gemm_available(void) { return 1; }
