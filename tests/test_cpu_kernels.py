@@ -146,7 +146,6 @@ def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, 
     assert torch.equal(linear(x[m // 2:], w, bias), out[m // 2:])
 
 
-
 def test_kernels_refuse_inputs_they_cannot_read():
     cache = torch.zeros(4, LAYERS, 2, 2, BLOCK, 8)
     q = torch.zeros(2, 4, 8)

@@ -90,7 +90,7 @@ class CpuKernelOps(TorchOps):
         if self._onednn:
             # Prompt chunks: oneDNN over the row-major weight rather than torch's default (MKL), which
             # on AMD CPUs took 15% longer (docs/perf-log.md, S31).
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), mod.weight, mod.bias, "none", [], "")
+            return packed_linear.onednn_linear(x, mod.weight, mod.bias)
         return mod(x)
 
     def rotate(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -34,6 +34,12 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) by oneDNN's GEMM, with the weight reordered (`PackedLinear.packed`) or
+    row-major (nn.Linear's own)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear`'s job with the weight in oneDNN's layout. `state_dict()` gives the plain weight
     back, bit-exact, so baselines and fingerprints read what was loaded."""
@@ -47,7 +53,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return onednn_linear(x, self.packed, self.bias)
 
     def unpacked(self) -> nn.Linear:
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
