@@ -63,6 +63,10 @@ static inline float vsum(vec a) {
  * there together, and the next does not evict the tile's operands from L1). */
 #define CHUNK_BYTES (192 * 1024)
 #define PF_HINT _MM_HINT_T1
+/* With fewer rows than this the tiles are light enough that the core's own prefetchers keep
+ * memory busy, and the software prefetches only cost: at 1 and 2 rows they made the 100M shape's
+ * decode linears 12% and 6% slower; at 3 and 4 they save 5-7% (docs/perf-log.md, S32). */
+#define PF_MIN_ROWS 3
 /* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
  * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
  * for 16 FMAs instead of 8, which bounds the tile by the load ports on CPUs with one 512-bit load
@@ -153,7 +157,8 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const floa
             const int64_t next1 = c1 + chunk < hi ? c1 + chunk : hi;
             const char *pf = (const char *)(w + c1 * COLS * k);
             const int64_t next_rows = (next1 * COLS < n ? next1 * COLS : n) - c1 * COLS;
-            const int64_t lines = next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
+            const int64_t lines =
+                m >= PF_MIN_ROWS && next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
             const int64_t tiles = (c1 - c0) * row_tiles;
             int64_t done = 0, tile_i = 0;
             for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
