@@ -334,3 +334,20 @@ def test_prefill_full_local_hit_copies_the_last_block_and_computes_one_token(tin
     seq = pe.scheduler.seqs["b"]
     assert seq.num_computed_tokens == n - 1  # only the last token is computed
     assert run_all(pe)["b"] == [reference.get(n, alone(tiny, p))[0]]
+
+
+def test_linear_weights_move_once_into_one_huge_page_buffer(reference):
+    fresh = load_model("tiny")
+    linears = [m for m in fresh.model.modules() if isinstance(m, torch.nn.Linear)]
+    before = [m.weight.detach().clone() for m in linears]
+    assert len({m.weight.untyped_storage().data_ptr() for m in linears}) == len(linears)
+    engine = LLMEngine(fresh, EngineConfig(num_blocks=600))
+    storages = {m.weight.untyped_storage().data_ptr() for m in linears}
+    assert len(storages) == 1
+    assert linears[0].weight.data_ptr() % (2 << 20) == 0
+    assert all(torch.equal(m.weight, w) for m, w in zip(linears, before, strict=True))
+    where = [m.weight.data_ptr() for m in linears]
+    LLMEngine(fresh, EngineConfig(num_blocks=600))  # a second engine on the same model moves nothing
+    assert [m.weight.data_ptr() for m in linears] == where
+    p = prompt(3 * B + 5)
+    assert engine.generate([p], GREEDY)[0].token_ids == reference[len(p)]
