@@ -70,7 +70,8 @@ static inline float vsum(vec a) {
 /* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
  * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
  * for 16 FMAs instead of 8, which bounds the tile by the load ports on CPUs with one 512-bit load
- * a cycle (Zen 4: 16 rows took 22% longer; docs/perf-log.md, S31). */
+ * a cycle (Zen 4: 16 rows took 22% longer; docs/perf-log.md, S31). A weight vector only one row
+ * uses is left to fold: pinned, the one-row tile streamed 4% slower (S32). */
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 int small_gemm_available(void) { return 1; }
@@ -93,7 +94,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             _mm_prefetch(pf + 64 * pf_done++, PF_HINT);
         for (int c = 0; c < cols; c++) {
             wv[c] = vload(w + c * k + i);
-            IN_REGISTER(wv[c]);
+            if (rows > 1) IN_REGISTER(wv[c]); /* (used once, it is best folded into its FMA) */
         }
         for (int r = 0; r < rows; r++) {
             vec xv = vload(x + r * x_stride + i);
