@@ -6,10 +6,11 @@
  * fraction of the machine's stream bandwidth. This kernel gives each thread a contiguous share of
  * the weight rows and walks it in chunks that fit in L2: every row tile of x (ROWS rows, in L1)
  * against every block of COLS weight rows of the chunk, one vector accumulator per output along
- * k, each reduced once at the end. Meanwhile it prefetches the next chunk, spread over all of this
- * chunk's tiles, so that at several row tiles the weights stream from memory while the later
- * tiles compute from cache (prefetching only during the first tile left memory idle for the rest:
- * 16 rows took the time of 4 plus three compute passes; docs/perf-log.md, S31).
+ * k, each reduced once at the end. Meanwhile (from PF_MIN_ROWS rows on) it prefetches the next
+ * chunk, spread over all of this chunk's tiles, so that at several row tiles the weights stream
+ * from memory while the later tiles compute from cache (prefetching only during the first tile
+ * left memory idle for the rest: 16 rows took the time of 4 plus three compute passes;
+ * docs/perf-log.md, S31).
  *
  * Every output is the same sum in the same order whatever m and whichever tile computes it, so a
  * row's result does not depend on the batch around it. Built with AVX-512F (16 lanes, 4 x 4
@@ -65,7 +66,7 @@ static inline float vsum(vec a) {
 #define PF_HINT _MM_HINT_T1
 /* With fewer rows than this the tiles are light enough that the core's own prefetchers keep
  * memory busy, and the software prefetches only cost: at 1 and 2 rows they made the 100M shape's
- * decode linears 12% and 6% slower; at 3 and 4 they save 5-7% (docs/perf-log.md, S32). */
+ * decode linears 12-14% and 7-9% slower; at 3 and 4 they save 6-8% (docs/perf-log.md, S32). */
 #define PF_MIN_ROWS 3
 /* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
  * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
