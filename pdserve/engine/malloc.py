@@ -59,20 +59,21 @@ def huge_pages(address: int, nbytes: int) -> bool:
     return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
 
 
-def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of the CPU `tensors`, one after another in one fresh buffer advised as transparent
-    huge pages before its first touch (one buffer: large enough to be a fresh mapping, where a
-    buffer per tensor could reuse heap pages already faulted in as 4 KiB ones). A decode step
-    streams every linear weight from memory: on 4 KiB pages that is a TLB miss per page and a
-    hardware prefetcher that stops at each page's end (1-row decode steps of the 100M shape 4-9%
-    faster on huge pages; docs/perf-log.md, S32)."""
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
+    """Move each CPU tensor's data (`t.data`, in place) into one fresh buffer advised as
+    transparent huge pages before its first touch, one tensor after another. One buffer, so that
+    it is a fresh mapping rather than heap pages already faulted in as 4 KiB ones; its pages fault
+    in as they are filled and each old storage goes as soon as its tensor has moved (when nothing
+    else holds it), so memory peaks at the tensors plus the largest of them, not twice the
+    tensors. A decode step streams every linear weight from memory: on 4 KiB pages that is a TLB
+    miss per page and a hardware prefetcher that stops at each page's end (1-row decode steps of
+    the 100M shape 4-9% faster on huge pages; docs/perf-log.md, S32)."""
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
     buf = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     huge_pages(buf.data_ptr(), buf.numel())
     offset = -buf.data_ptr() % HUGE_PAGE
-    out = []
-    for t, size in zip(tensors, sizes, strict=True):
-        view = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        out.append(view.copy_(t))
-        offset += size
-    return out
+    with torch.no_grad():
+        for t, size in zip(tensors, sizes, strict=True):
+            view = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            t.data = view.copy_(t)
+            offset += size

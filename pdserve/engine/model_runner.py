@@ -7,7 +7,7 @@ from torch import nn
 
 from pdserve import logs
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.malloc import on_huge_pages
+from pdserve.engine.malloc import move_to_huge_pages
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model import cpu_kernels, flash_backend, kernel_backend, packed_linear
@@ -124,10 +124,7 @@ def place_linear_weights(requested: str, model: Transformer, kv_cache: KVCache, 
 
 def _weights_on_huge_pages(model: Transformer) -> None:
     """The row-major linear weights (each step streams them all) moved into one buffer on huge
-    pages (malloc.on_huge_pages), once per model: when they already share one buffer, nothing."""
+    pages (malloc.move_to_huge_pages), once per model: when they already share one buffer, nothing."""
     params = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}.values())
-    if len({p.untyped_storage().data_ptr() for p in params}) <= 1:
-        return
-    with torch.no_grad():
-        for p, moved in zip(params, on_huge_pages([p.detach() for p in params]), strict=True):
-            p.data = moved
+    if len({p.untyped_storage().data_ptr() for p in params}) > 1:
+        move_to_huge_pages(params)
