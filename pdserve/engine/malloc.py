@@ -5,6 +5,9 @@ freed, so each decode step's multi-MiB activations and KV gathers come back as f
 fault in on first touch. On small VMs that doubles the step time. Raising the mmap and trim
 thresholds keeps those blocks in the heap for the next step (what jemalloc/tcmalloc do for
 PyTorch CPU inference). Process-wide, applied once; a no-op where glibc is not the allocator.
+
+Also where the engine's large, streamed memory (the KV cache, the linear weights) is asked onto
+transparent huge pages.
 """
 
 from __future__ import annotations

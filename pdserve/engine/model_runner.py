@@ -105,7 +105,8 @@ def place_linear_weights(requested: str, model: Transformer, kv_cache: KVCache, 
     "packed" or "plain", as chosen. "auto", with the CPU kernel backend where oneDNN can, packs the
     linears of at least packed_linear.AUTO_MIN_WEIGHTS weights ("packed" when it packed any),
     unless the C small-batch GEMM serves the decode steps (float32 on AVX-512 or AVX2): it reads
-    the row-major weights, faster than oneDNN's packed ones at 1-16 rows (docs/perf-log.md, S30)."""
+    the row-major weights, faster than oneDNN's packed ones at 1-16 rows (docs/perf-log.md, S30).
+    Plain weights on the CPU are moved once onto huge pages (`_weights_on_huge_pages`)."""
     dtype = kv_cache.tensor.dtype
     why_not = packed_linear.unavailable(kv_cache.tensor.device, dtype)
     if requested == "packed" and why_not:
