@@ -6,7 +6,7 @@
  * fraction of the machine's stream bandwidth. This kernel gives each thread a contiguous share of
  * the weight rows and walks it in chunks that fit in L2: every row tile of x (ROWS rows, in L1)
  * against every block of COLS weight rows of the chunk, one vector accumulator per output along
- * k, each reduced once at the end. Meanwhile (from PF_MIN_ROWS rows on) it prefetches the next
+ * k, each reduced once at the end. Meanwhile (from pf_min_rows() rows on) it prefetches the next
  * chunk, spread over all of this chunk's tiles, so that at several row tiles the weights stream
  * from memory while the later tiles compute from cache (prefetching only during the first tile
  * left memory idle for the rest: 16 rows took the time of 4 plus three compute passes;
@@ -64,10 +64,12 @@ static inline float vsum(vec a) {
  * there together, and the next does not evict the tile's operands from L1). */
 #define CHUNK_BYTES (192 * 1024)
 #define PF_HINT _MM_HINT_T1
-/* With fewer rows than this the tiles are light enough that the core's own prefetchers keep
- * memory busy, and the software prefetches only cost: at 1 and 2 rows they made the 100M shape's
- * decode linears 12-14% and 7-9% slower; at 3 and 4 they save 6-8% (docs/perf-log.md, S32). */
-#define PF_MIN_ROWS 3
+/* From how many rows on the prefetches pay. On Zen 4, with fewer than 3 rows the tiles are light
+ * enough that the core's own prefetchers keep memory busy, and the prefetches only cost: at 1 and 2
+ * rows they made the 100M shape's decode linears 12-14% and 7-9% slower; at 3 and 4 they save
+ * 6-8% (docs/perf-log.md, S32). On an Intel Xeon (Emerald Rapids), whose cores each draw less
+ * from memory, they pay at every count: 1 row 2-4% and 2 rows 7-9% faster with them (S33). */
+static int64_t pf_min_rows(void) { return __builtin_cpu_is("amd") ? 3 : 1; }
 /* Each loaded vector is used by several FMAs; this keeps the compiler from folding the load into
  * every one of them as a memory operand (GCC does, for w or x, whichever is left to it): 20 loads
  * for 16 FMAs instead of 8, which bounds the tile by the load ports on CPUs with one 512-bit load
@@ -144,6 +146,7 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const floa
     const int64_t blocks = (n + COLS - 1) / COLS; /* the last may hold fewer than COLS rows */
     const int64_t block_bytes = COLS * k * (int64_t)sizeof(float);
     const int64_t row_tiles = (m + ROWS - 1) / ROWS;
+    const int64_t min_rows = pf_min_rows();
     /* Blocks per chunk: a chunk and the next one, being prefetched, fit in L2 together. */
     int64_t chunk = CHUNK_BYTES / block_bytes;
     if (chunk < 1) chunk = 1;
@@ -160,7 +163,7 @@ void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const floa
             const char *pf = (const char *)(w + c1 * COLS * k);
             const int64_t next_rows = (next1 * COLS < n ? next1 * COLS : n) - c1 * COLS;
             const int64_t lines =
-                m >= PF_MIN_ROWS && next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
+                m >= min_rows && next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
             const int64_t tiles = (c1 - c0) * row_tiles;
             int64_t done = 0, tile_i = 0;
             for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
