@@ -28,7 +28,8 @@ def reference_attention(cache, q, table, ctx, layer):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (8, 2, 128), (3, 3, 48), (4, 1, 20)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 2, 64), (6, 2, 64), (16, 4, 64), (8, 2, 128), (12, 2, 128), (3, 3, 48), (4, 1, 20)])
 def test_paged_decode_matches_sdpa_over_gathered_pages(dtype, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
     lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 7 * BLOCK + 3]
