@@ -8,7 +8,7 @@
  * the V sum keeps 64 output lanes in registers; elsewhere plain loops compute the same. A float32
  * cache of 16-slot pages and head_dim 64 or 128 takes an AVX-512 path where the CPU has it: a
  * page's 16 K rows dotted at once (one transposing sum of 16 vectors), and each V row loaded once
- * for all the query heads of its group (`item_f32`).
+ * for all the query heads of its group (`fast_item_f32`).
  *
  * Cache: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim], contiguous.
  * q, out: float32 rows of [heads, head_dim] (each row contiguous, rows `*_row_stride` apart);
