@@ -102,6 +102,11 @@ def test_row_ops_match_torch():
     torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-5)
     assert torch.equal(qkv[:, 6 * 64:], untouched)  # v stays as it was
 
+    gate_up = torch.cat([torch.randn(5, 40, generator=gen) * 30, torch.randn(5, 40, generator=gen)], dim=1)
+    gate_up[0, :4] = torch.tensor([-1e4, -100.0, 100.0, 1e4])  # exp past float32 on the negative side
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
 
 def cpu_has(*flags: str) -> bool:
     with open("/proc/cpuinfo") as f:
@@ -168,6 +173,17 @@ def test_kernels_refuse_inputs_they_cannot_read():
             cpu_kernels.linear(torch.zeros(2, 16), torch.zeros(16, 8).t())  # weight not contiguous
         with pytest.raises(ValueError, match="float32"):
             cpu_kernels.linear(torch.zeros(2, 16, dtype=torch.bfloat16), w)
+    if cpu_kernels.small_gemm_available():
+        shape = cpu_kernels.DecoderShape(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, eps=1e-5,
+                                         scale=1.0)
+        one = torch.ones(1, dtype=torch.long)
+        cos = torch.ones(1, 1, 8)
+        with pytest.raises(ValueError, match="do not fit one float32 decode call"):  # a layer too many
+            cpu_kernels.decode_layers(torch.zeros(LAYERS + 1, 7, dtype=torch.long), shape, torch.zeros(1, 32), cos,
+                                      cos, cache, one, one, torch.zeros(1, 1, dtype=torch.long), one)
+        with pytest.raises(ValueError, match="do not fit one float32 decode call"):  # a row too many
+            cpu_kernels.decode_layers(torch.zeros(LAYERS, 7, dtype=torch.long), shape, torch.zeros(2, 32), cos, cos,
+                                      cache, one, one, torch.zeros(1, 1, dtype=torch.long), one)
     with pytest.raises(ValueError, match="match the cache"):
         cpu_kernels.write_kv(cache, torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8), torch.zeros(1),
                              torch.zeros(1), 0)

@@ -351,3 +351,43 @@ def test_linear_weights_move_once_into_one_huge_page_buffer(reference):
     assert [m.weight.data_ptr() for m in linears] == where
     p = prompt(3 * B + 5)
     assert engine.generate([p], GREEDY)[0].token_ids == reference[len(p)]
+
+
+def test_decode_steps_run_their_layers_in_one_call_with_the_layer_by_layer_bits(tiny, monkeypatch):
+    """A step whose every row decodes runs the decoder stack in one C call (cpu_kernels.decode_layers);
+    steps with prompt chunks go layer by layer. Same tokens and the same logprobs, bit for bit, as
+    every step layer by layer, under continuous batching; packed weights never take the C call."""
+    from pdserve.model import cpu_kernels, kernel_backend
+    from pdserve.model.torch_backend import TorchOps
+
+    if not cpu_kernels.small_gemm_available():
+        pytest.skip("no small-batch GEMM on this CPU: every linear is torch's, every step layer by layer")
+    fused_rows: list[int] = []
+    real = cpu_kernels.decode_layers
+
+    def counted(weights, shape, residual, *rest):
+        fused_rows.append(residual.shape[0])
+        return real(weights, shape, residual, *rest)
+
+    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
+    lengths = [1, B - 1, B, B + 1, 3 * B + 5, 300]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7)
+
+    def run(linear_weights: str = "plain") -> list[tuple[list[int], list[float]]]:
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=600, max_num_batched_tokens=64, linear_weights=linear_weights))
+        results = engine.generate([prompt(n) for n in lengths], [GREEDY, params] * 3)
+        assert engine.scheduler.pool.num_used_blocks == 0
+        return [(r.token_ids, r.logprobs) for r in results]
+
+    one_call = run()
+    assert fused_rows and set(fused_rows) <= set(range(1, len(lengths) + 1)) and len(lengths) in fused_rows
+    calls = len(fused_rows)
+    monkeypatch.setattr(kernel_backend.CpuKernelOps, "decoder", TorchOps.decoder)
+    assert run() == one_call and len(fused_rows) == calls
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
+    packed = run("packed")
+    assert len(fused_rows) == calls, "packed weights have no row-major pointers for the C call"
+    assert [t for t, _ in packed][::2] == [t for t, _ in one_call][::2]  # greedy rows: the same tokens
+    run()  # plain again: the table is back
+    assert len(fused_rows) > calls

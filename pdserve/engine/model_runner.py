@@ -111,10 +111,16 @@ def place_linear_weights(requested: str, model: Transformer, kv_cache: KVCache, 
     why_not = packed_linear.unavailable(kv_cache.tensor.device, dtype)
     if requested == "packed" and why_not:
         raise ValueError(f"linear_weights 'packed' is unavailable: {why_not}")
+    placed = _place(requested, model, kv_cache, backend, why_not)
+    kernel_backend.weights_placed(model.layers)
+    return placed
+
+
+def _place(requested: str, model: Transformer, kv_cache: KVCache, backend: str, why_not: str | None) -> str:
     if requested == "packed":
         packed_linear.pack_linears(model)
         return "packed"
-    small_gemm = dtype == torch.float32 and cpu_kernels.small_gemm_available()
+    small_gemm = kv_cache.tensor.dtype == torch.float32 and cpu_kernels.small_gemm_available()
     if requested == "auto" and backend == "kernel" and why_not is None and not small_gemm:
         return "packed" if packed_linear.pack_linears(model, packed_linear.AUTO_MIN_WEIGHTS) else "plain"
     packed_linear.unpack_linears(model)

@@ -63,6 +63,14 @@ class RowOps(Protocol):
         """residual += h (residual None: h starts the stream), then (norm(residual), residual);
         h or residual may be updated in place."""
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [T, 2 * intermediate] = [gate | up]."""
+
+    def decoder(self, layers: nn.ModuleList, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer (llama.Block) in turn over the embedded tokens h: (the last layer's
+        output, the residual stream before it)."""
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

@@ -1,5 +1,5 @@
-"""The C kernels (csrc/: decode attention, pointwise ops, small-batch GEMM): built on first use,
-called through ctypes.
+"""The C kernels (csrc/: decode attention, pointwise ops, small-batch GEMM, and a decode step's
+decoder layers through them in one call): built on first use, called through ctypes.
 
 Built with the machine's C compiler for this CPU (-O3 -march=native, OpenMP: it shares torch's
 libgomp, already loaded under the same soname), once per machine (pdserve/native.py).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from pdserve.native import NativeUnavailable, build
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("paged_decode.c", "pointwise.c", "small_gemm.c")]
+           for name in ("paged_decode.c", "pointwise.c", "small_gemm.c", "decode_layers.c")]
 # -ffast-math lets expf vectorize (glibc's libmvec). It is given when compiling only: linked with
 # it, gcc would add crtfastmath.o, which turns on flush-to-zero for the whole process (torch too).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math"]
@@ -46,6 +47,11 @@ def library() -> ctypes.CDLL:
     lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.small_gemm_f32.restype = None
     lib.small_gemm_available.restype = ctypes.c_int
+    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.silu_mul_f32.restype = None
+    lib.decode_layers_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                                      *[i64] * 8, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.decode_layers_f32.restype = ctypes.c_int
     return lib
 
 
@@ -185,3 +191,61 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError(f"rope_: cos/sin must be contiguous [{tokens}, 1, {head_dim}]")
     _fn("rope_f32")(qk.data_ptr(), _rows_of(qk, heads * head_dim), cos.data_ptr(), sin.data_ptr(), tokens, heads,
                        head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of each row [gate | up] of gate_up [rows, 2 * dim], as a new [rows, dim]."""
+    _float_rows(gate_up, "silu_mul")
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _fn("silu_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows, width // 2)
+    return out
+
+
+# The seven weights of a decoder layer, in decode_layers.c's `layer_weights` order.
+LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What decode_layers needs to know of the model besides its weights."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+def decode_layers(weights: torch.Tensor, shape: DecoderShape, residual: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, kv_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Every decoder layer of a decode step in one call (csrc/decode_layers.c), each of the m rows
+    of residual [m, hidden] (the embedded tokens; the residual stream on return, updated in place)
+    one decoding sequence: returns the last layer's MLP output [m, hidden]. weights: int64
+    [layers, 7] data pointers in LAYER_WEIGHTS order (0 for a missing bias), float32 contiguous,
+    kept alive by the caller; cos, sin [m, 1, head_dim]; the rest as write_kv and paged_decode."""
+    m = residual.shape[0]
+    _, layers, _, kv_heads, block_size, head_dim = kv_cache.shape
+    if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != (m, shape.hidden) \
+            or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous() or m > SMALL_GEMM_MAX_ROWS \
+            or (kv_heads, head_dim) != (shape.kv_heads, shape.head_dim) or weights.shape != (layers, 7) \
+            or cos.shape != (m, 1, head_dim) or sin.shape != cos.shape or not cos.is_contiguous() \
+            or not sin.is_contiguous() or block_tables.shape[0] != m or not small_gemm_available():
+        raise ValueError("decode_layers: the step, cache or weights do not fit one float32 decode call")
+    _indices(weights, slot_blocks, slot_offsets, block_tables, context_lens)
+    q_size = shape.heads * head_dim
+    qkv = q_size + 2 * kv_heads * head_dim
+    out = torch.empty(m, shape.hidden, dtype=torch.float32)
+    scratch = torch.empty(m * (shape.hidden + qkv + q_size + 3 * shape.intermediate), dtype=torch.float32)
+    rows = torch.arange(m)
+    rc = _fn("decode_layers_f32")(
+        weights.data_ptr(), layers, residual.data_ptr(), out.data_ptr(), scratch.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), kv_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), rows.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], m, shape.hidden, shape.heads,
+        kv_heads, head_dim, shape.intermediate, block_size, shape.eps, shape.scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("decode_layers: out of memory for attention scores")
+    return out

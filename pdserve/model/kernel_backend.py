@@ -2,11 +2,14 @@
 
 Decode attention reads each sequence's pages in place: no gather, no padding. Prompt chunks
 attend as in TorchBackend. The row ops are the ones `pdserve bench row-ops` shows paying against
-eager torch and torch.compile: the small-batch GEMM, RMSNorm fused with the residual add, RoPE.
+eager torch and torch.compile: the small-batch GEMM, RMSNorm fused with the residual add, RoPE;
+and SiLU-and-multiply, so that a step whose every row decodes can run the whole decoder stack
+through these kernels in one C call, with the bits of the layer-by-layer path.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +100,58 @@ class CpuKernelOps(TorchOps):
         cpu_kernels.rope_(qk, *cos_sin)
         return qk
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_mul(gate_up)
+
+    def decoder(self, layers: nn.ModuleList, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step whose every row decodes runs all the layers in one C call (cpu_kernels.decode_layers):
+        the kernels this class and CpuKernelBackend call one by one, in the same order, so the same
+        bits, without the Python between them. Other steps, and weights that are not row-major
+        (packed for oneDNN), go layer by layer. (The runner pairs these ops with CpuKernelBackend
+        only, so meta.plan is its KernelPlan.)"""
+        paged: PagedDecode | None = meta.plan.paged
+        m = h.shape[0]
+        if self._small_gemm and paged is not None and not meta.plan.seqs and paged.rows.numel() == m \
+                and m <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
+            weights = _WEIGHTS.get(layers)
+            if weights is not None:
+                attn, norm = layers[0].attn, layers[0].attn_norm
+                shape = cpu_kernels.DecoderShape(h.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                 layers[0].mlp.intermediate_size, norm.eps, attn.scale)
+                out = cpu_kernels.decode_layers(weights, shape, h, *cos_sin, kv_cache, meta.slot_block_ids,
+                                                meta.slot_offsets, paged.block_tables, paged.context_lens)
+                return out, h
+        return super().decoder(layers, h, cos_sin, meta, kv_cache)
+
     def add_norm(self, norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[
             torch.Tensor, torch.Tensor]:
         # One C pass, adding in place into the residual stream.
         if residual is None:
             return cpu_kernels.add_rms_norm(h, None, norm.weight, norm.eps), h
         return cpu_kernels.add_rms_norm(residual, h, norm.weight, norm.eps), residual
+
+
+
+# Each model's decoder layers -> their weights' data pointers [layers, 7] for decode_layers, while
+# every one is a row-major float32 tensor. Written only by `weights_placed`.
+_WEIGHTS: weakref.WeakKeyDictionary[nn.ModuleList, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def weights_placed(layers: nn.ModuleList) -> None:
+    """Records where the decoder layers' weights lie now. Called by model_runner.place_linear_weights,
+    the one place a model's linear weights are packed, unpacked or moved, each time it has placed
+    them: a pointer table read afresh each step would cost 0.2 ms a step at 8 layers."""
+    ptrs: list[int] = []
+    for layer in layers:
+        attn, mlp = layer.attn, layer.mlp
+        if any(type(lin) is not nn.Linear for lin in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)):
+            _WEIGHTS.pop(layers, None)
+            return
+        for t in (layer.attn_norm.weight, attn.wqkv.weight, attn.wqkv.bias, attn.wo.weight, layer.mlp_norm.weight,
+                  mlp.w_gate_up.weight, mlp.w_down.weight):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                _WEIGHTS.pop(layers, None)
+                return
+            ptrs.append(0 if t is None else t.data_ptr())
+    _WEIGHTS[layers] = torch.tensor(ptrs, dtype=torch.long).view(len(layers), len(cpu_kernels.LAYER_WEIGHTS))

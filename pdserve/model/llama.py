@@ -43,9 +43,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         h = self.embed(input_ids)  # [T, hidden]
         cos_sin = self.rope.at(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos_sin, meta, kv_cache)
+        h, residual = meta.ops.decoder(self.layers, h, cos_sin, meta, kv_cache)
         x = self.norm((residual + h)[logits_indices])
         return meta.ops.linear(self.lm_head, x).float()
 
@@ -107,8 +105,7 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        gate, up = meta.ops.linear(self.w_gate_up, x).split(self.intermediate_size, dim=-1)
-        return meta.ops.linear(self.w_down, F.silu(gate) * up)
+        return meta.ops.linear(self.w_down, meta.ops.silu_mul(meta.ops.linear(self.w_gate_up, x)))
 
 
 class RMSNorm(nn.Module):

@@ -181,3 +181,14 @@ class TorchOps:
             torch.Tensor, torch.Tensor]:
         residual = h if residual is None else residual + h
         return norm(residual), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def decoder(self, layers: nn.ModuleList, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for layer in layers:
+            h, residual = layer(h, residual, cos_sin, meta, kv_cache)
+        return h, residual

@@ -46,3 +46,16 @@ void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin
         }
     }
 }
+
+/* out = silu(gate) * up, where each input row is [gate | up], `dim` floats each. exp's argument is
+ * capped at 80 (e^80 is finite in float32): with -ffast-math the division becomes a reciprocal
+ * and a Newton step, which turns 1 / inf into NaN; silu there is -0 either way, to float32. */
+void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
+                  int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * in_stride, *u = g + dim;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 80.0f))) * u[i];
+    }
+}
