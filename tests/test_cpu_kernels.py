@@ -107,6 +107,17 @@ def test_row_ops_match_torch():
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
 
+    logits = torch.randn(6, 32000, generator=gen) * 8
+    logits[1, [10, 20000]] = 100.0  # a tie: the first index, as torch's max gives
+    logits[2, -1] = 100.0  # the maximum in the last column
+    tokens, logz = cpu_kernels.argmax_logz(logits)
+    assert tokens == logits.max(dim=-1).indices.tolist() and tokens[1:3] == [10, 31999]
+    torch.testing.assert_close(logz, torch.logsumexp(logits.double(), dim=-1), atol=2e-5, rtol=0)
+    logits[3, 7], logits[4, 9] = float("nan"), float("inf")
+    tokens, logz = cpu_kernels.argmax_logz(logits)
+    assert torch.isfinite(logz).tolist() == [True, True, True, False, False, True]
+    assert all(0 <= t < 32000 for t in tokens)
+
 
 def cpu_has(*flags: str) -> bool:
     with open("/proc/cpuinfo") as f:

@@ -270,6 +270,26 @@ def test_logprobs_are_log_softmax_of_the_chosen_token(tiny):
     assert r.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[r.token_ids[0]].item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_logits_that_are_not_finite_are_refused_not_sampled(kernels, monkeypatch):
+    """The sampler's greedy tokens and logprobs, through the C pass (CPU) and through torch (other
+    devices, or no C compiler): the same tokens, logprobs within 1e-5; NaN or inf refused."""
+    from pdserve.engine.sampling import sample
+    from pdserve.model import cpu_kernels
+
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "unbuildable", lambda: "no compiler here")
+    logits = torch.randn(3, 258)
+    tokens, logprobs = sample(logits, [GREEDY] * 3, [None] * 3)
+    assert tokens == logits.max(dim=-1).indices.tolist()
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(3), torch.tensor(tokens)]
+    assert logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    for bad in (float("nan"), float("inf")):
+        logits[1, 5] = bad
+        with pytest.raises(ValueError, match="not finite"):
+            sample(logits, [GREEDY] * 3, [None] * 3)
+
+
 def test_stop_conditions(tiny, reference):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=64))
     ref = reference[B]

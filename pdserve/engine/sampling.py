@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model import cpu_kernels
+
 MAX_TEMPERATURE = 100.0  # far past where sampling is uniform; a bound so no value overflows the logits
 MAX_STOP_TOKENS = 256
 
@@ -45,15 +47,26 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> tuple[list[int], list[float]]:
-    """One token per row, with its logprob under the model's unmodified distribution."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    # max() rather than argmax(): the same first maximal index, at a third of the time on the CPU.
-    tokens = logits.max(dim=-1).indices.tolist()
+    """One token per row, with its logprob under the model's unmodified distribution. Logits that
+    are not finite (NaN or inf: the model's weights or activations went bad) are refused."""
+    tokens, logz = _argmax_logz(logits)
+    if not torch.isfinite(logz).all():
+        raise ValueError("the model produced logits that are not finite (NaN or inf)")
     for row, p in enumerate(params):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generators[row])
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-    return tokens, chosen
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double() - logz.double()
+    return tokens, chosen.tolist()
+
+
+def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Each row's first maximal index and its log-normaliser log Z (logprob = logit - log Z): on the
+    CPU in one C pass per row (at batch 16 and a 32,000-word vocabulary, a third of the time of
+    torch's max and logsumexp), elsewhere by torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.unbuildable() is None:
+        return cpu_kernels.argmax_logz(logits)
+    # max() rather than argmax(): the same first maximal index, at a third of the time.
+    return logits.max(dim=-1).indices.tolist(), torch.logsumexp(logits, dim=-1)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

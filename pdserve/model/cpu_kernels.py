@@ -49,6 +49,8 @@ def library() -> ctypes.CDLL:
     lib.small_gemm_available.restype = ctypes.c_int
     lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.silu_mul_f32.restype = None
+    lib.argmax_logz_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.argmax_logz_f32.restype = None
     lib.decode_layers_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
                                       *[i64] * 8, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.decode_layers_f32.restype = ctypes.c_int
@@ -200,6 +202,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=torch.float32)
     _fn("silu_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows, width // 2)
     return out
+
+
+def argmax_logz(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """For each row of logits [rows, vocab] (float32): the first index of its maximum, and log Z
+    (float64 [rows]), so that token t's logprob is logits[row, t] - log Z."""
+    _float_rows(logits, "argmax_logz")
+    rows, vocab = logits.shape
+    token = torch.empty(rows, dtype=torch.long)
+    logz = torch.empty(rows, dtype=torch.float64)
+    _fn("argmax_logz_f32")(logits.data_ptr(), logits.stride(0), rows, vocab, token.data_ptr(), logz.data_ptr(),
+                           torch.get_num_threads())
+    return token.tolist(), logz
 
 
 # The seven weights of a decoder layer, in decode_layers.c's `layer_weights` order.
