@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* residual (when not NULL) += delta; then out = residual * rsqrt(mean(residual^2) + eps) * w.
  * With residual NULL, x is normalised alone: out = x * rsqrt(mean(x^2) + eps) * w. */
@@ -47,16 +48,21 @@ void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin
     }
 }
 
-/* out = silu(gate) * up, where each input row is [gate | up], `dim` floats each. exp's argument is
- * capped at 80 (e^80 is finite in float32): with -ffast-math the division becomes a reciprocal
- * and a Newton step, which turns 1 / inf into NaN; silu there is -0 either way, to float32. */
+/* exp's argument kept within [-80, 80]: e^80 is finite in float32 and e^-80 a normal number. Past
+ * about +-87 glibc's vector expf finishes each such lane in a scalar slow path (a batch-16 step's
+ * logits took 1.4 ms where in-range values take 0.27), and with -ffast-math a division by e^88 =
+ * inf becomes a reciprocal and a Newton step that gives NaN. The results are the same in float32:
+ * silu(g) for g past 80 is g or -0, and a term of e^-80 beside at least 1 is nothing. */
+static inline float exp_clamped(float x) { return expf(fminf(fmaxf(x, -80.0f), 80.0f)); }
+
+/* out = silu(gate) * up, where each input row is [gate | up], `dim` floats each. */
 void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
                   int64_t dim) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * in_stride, *u = g + dim;
         float *o = out + r * out_stride;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 80.0f))) * u[i];
+        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + exp_clamped(-g[i])) * u[i];
     }
 }
 
@@ -64,21 +70,33 @@ void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t o
  * maximum, and log Z = max + log(sum(exp(x - max))), so that any token's logprob is x[t] - log Z.
  * Two passes over a row that stays in L2, where torch's max (values and indices) and a whole
  * log_softmax took 0.6 ms each for 16 rows of a 32,000-word vocabulary, cold. A row holding NaN
- * or inf gives a log Z that is not finite (the caller refuses it); its index stays in the row. */
+ * or inf gets log Z = NaN (the caller refuses it), found from the exponent bits: -ffast-math lets
+ * the compiler assume no float is ever NaN or inf, so no float compare can be trusted to. */
 void argmax_logz_f32(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *token,
                      double *logz, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * stride;
         float m = x[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < vocab; i++) m = x[i] > m ? x[i] : m;
+        uint32_t special = 0; /* exponent bits all ones: NaN or inf */
+#pragma omp simd reduction(max : m) reduction(| : special)
+        for (int64_t i = 0; i < vocab; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, sizeof bits);
+            special |= (bits & 0x7f800000u) == 0x7f800000u;
+            m = x[i] > m ? x[i] : m;
+        }
         int64_t t = 0;
         while (t < vocab - 1 && x[t] != m) t++;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < vocab; i++) s += expf(x[i] - m);
+        for (int64_t i = 0; i < vocab; i++) s += exp_clamped(x[i] - m);
         token[r] = t;
-        logz[r] = (double)m + log((double)s);
+        if (special) {
+            const uint64_t nan_bits = 0x7ff8000000000000ull;
+            memcpy(logz + r, &nan_bits, sizeof nan_bits);
+        } else {
+            logz[r] = (double)m + log((double)s);
+        }
     }
 }
