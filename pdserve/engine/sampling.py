@@ -61,8 +61,8 @@ def sample(
 
 def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """Each row's first maximal index and its log-normaliser log Z (logprob = logit - log Z): on the
-    CPU in one C pass per row (at batch 16 and a 32,000-word vocabulary, a third of the time of
-    torch's max and logsumexp), elsewhere by torch."""
+    CPU in one C pass per row (less than half the time of torch's max and log_softmax at batch 16
+    and a 32,000-word vocabulary: docs/perf-log.md, S34), elsewhere by torch."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.unbuildable() is None:
         return cpu_kernels.argmax_logz(logits)
     # max() rather than argmax(): the same first maximal index, at a third of the time.

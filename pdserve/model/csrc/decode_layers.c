@@ -1,8 +1,8 @@
 /* Every decoder layer of a float32 decode step in one call: the same kernels, in the same order
  * and on the same buffers' contents, as the model's per-op path through CpuKernelOps, so the
  * result is the same bit for bit; only the Python between them (module calls, argument checks,
- * views, output tensors: about 1.7 ms a step of the 100M shape, against 18 ms of weights
- * streamed) is gone. Per layer:
+ * views, output tensors) is gone: at batch 1 that Python was a tenth of a step of the 100M shape,
+ * the gap to llama.cpp (docs/perf-log.md, S33 and S34). Per layer:
  *   normed = rms_norm(residual (+= out of the layer before), attn_norm)
  *   qkv = normed @ wqkv^T (+ bqkv); rope on q and k; k, v into their page slots
  *   attn = paged decode attention of q; out = attn @ wo^T

@@ -50,7 +50,7 @@ void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin
 
 /* exp's argument kept within [-80, 80]: e^80 is finite in float32 and e^-80 a normal number. Past
  * about +-87 glibc's vector expf finishes each such lane in a scalar slow path (a batch-16 step's
- * logits took 1.4 ms where in-range values take 0.27), and with -ffast-math a division by e^88 =
+ * logits took five times as long: docs/perf-log.md, S34), and with -ffast-math a division by e^88 =
  * inf becomes a reciprocal and a Newton step that gives NaN. The results are the same in float32:
  * silu(g) for g past 80 is g or -0, and a term of e^-80 beside at least 1 is nothing. */
 static inline float exp_clamped(float x) { return expf(fminf(fmaxf(x, -80.0f), 80.0f)); }
@@ -68,8 +68,8 @@ void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t o
 
 /* For each row of logits [rows, vocab] (rows `stride` floats apart): the first index of its
  * maximum, and log Z = max + log(sum(exp(x - max))), so that any token's logprob is x[t] - log Z.
- * Two passes over a row that stays in L2, where torch's max (values and indices) and a whole
- * log_softmax took 0.6 ms each for 16 rows of a 32,000-word vocabulary, cold. A row holding NaN
+ * Two passes over a row that stays in L2, instead of torch's max (values and indices) and a whole
+ * log_softmax over [rows, vocab] (docs/perf-log.md, S34). A row holding NaN
  * or inf gets log Z = NaN (the caller refuses it), found from the exponent bits: -ffast-math lets
  * the compiler assume no float is ever NaN or inf, so no float compare can be trusted to. */
 void argmax_logz_f32(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *token,
