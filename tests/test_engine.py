@@ -270,26 +270,6 @@ def test_logprobs_are_log_softmax_of_the_chosen_token(tiny):
     assert r.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[r.token_ids[0]].item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-def test_logits_that_are_not_finite_are_refused_not_sampled(kernels, monkeypatch):
-    """The sampler's greedy tokens and logprobs, through the C pass (CPU) and through torch (other
-    devices, or no C compiler): the same tokens, logprobs within 1e-5; NaN or inf refused."""
-    from pdserve.engine.sampling import sample
-    from pdserve.model import cpu_kernels
-
-    if not kernels:
-        monkeypatch.setattr(cpu_kernels, "unbuildable", lambda: "no compiler here")
-    logits = torch.randn(3, 258)
-    tokens, logprobs = sample(logits, [GREEDY] * 3, [None] * 3)
-    assert tokens == logits.max(dim=-1).indices.tolist()
-    expected = torch.log_softmax(logits.double(), -1)[torch.arange(3), torch.tensor(tokens)]
-    assert logprobs == pytest.approx(expected.tolist(), abs=1e-5)
-    for bad in (float("nan"), float("inf")):
-        logits[1, 5] = bad
-        with pytest.raises(ValueError, match="not finite"):
-            sample(logits, [GREEDY] * 3, [None] * 3)
-
-
 def test_stop_conditions(tiny, reference):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=64))
     ref = reference[B]
@@ -371,43 +351,3 @@ def test_linear_weights_move_once_into_one_huge_page_buffer(reference):
     assert [m.weight.data_ptr() for m in linears] == where
     p = prompt(3 * B + 5)
     assert engine.generate([p], GREEDY)[0].token_ids == reference[len(p)]
-
-
-def test_decode_steps_run_their_layers_in_one_call_with_the_layer_by_layer_bits(tiny, monkeypatch):
-    """A step whose every row decodes runs the decoder stack in one C call (cpu_kernels.decode_layers);
-    steps with prompt chunks go layer by layer. Same tokens and the same logprobs, bit for bit, as
-    every step layer by layer, under continuous batching; packed weights never take the C call."""
-    from pdserve.model import cpu_kernels, kernel_backend
-    from pdserve.model.torch_backend import TorchOps
-
-    if not cpu_kernels.small_gemm_available():
-        pytest.skip("no small-batch GEMM on this CPU: every linear is torch's, every step layer by layer")
-    fused_rows: list[int] = []
-    real = cpu_kernels.decode_layers
-
-    def counted(weights, shape, residual, *rest):
-        fused_rows.append(residual.shape[0])
-        return real(weights, shape, residual, *rest)
-
-    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
-    lengths = [1, B - 1, B, B + 1, 3 * B + 5, 300]
-    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7)
-
-    def run(linear_weights: str = "plain") -> list[tuple[list[int], list[float]]]:
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=600, max_num_batched_tokens=64, linear_weights=linear_weights))
-        results = engine.generate([prompt(n) for n in lengths], [GREEDY, params] * 3)
-        assert engine.scheduler.pool.num_used_blocks == 0
-        return [(r.token_ids, r.logprobs) for r in results]
-
-    one_call = run()
-    assert fused_rows and set(fused_rows) <= set(range(1, len(lengths) + 1)) and len(lengths) in fused_rows
-    calls = len(fused_rows)
-    monkeypatch.setattr(kernel_backend.CpuKernelOps, "decoder", TorchOps.decoder)
-    assert run() == one_call and len(fused_rows) == calls
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
-    packed = run("packed")
-    assert len(fused_rows) == calls, "packed weights have no row-major pointers for the C call"
-    assert [t for t, _ in packed][::2] == [t for t, _ in one_call][::2]  # greedy rows: the same tokens
-    run()  # plain again: the table is back
-    assert len(fused_rows) > calls
