@@ -27,10 +27,15 @@ def test_logits_that_are_not_finite_are_refused_not_sampled(kernels, monkeypatch
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "unbuildable", lambda: "no compiler here")
     logits = torch.randn(3, 258)
-    tokens, logprobs = sample(logits, [GREEDY] * 3, [None] * 3)
-    assert tokens == logits.max(dim=-1).indices.tolist()
+    drawn = SamplingParams(temperature=1.0, seed=7)  # the middle row is drawn, not greedy
+    tokens, logprobs = sample(logits, [GREEDY, drawn, GREEDY], [None, torch.Generator().manual_seed(7), None])
+    greedy = logits.max(dim=-1).indices.tolist()
+    assert tokens[0] == greedy[0] and tokens[2] == greedy[2]
     expected = torch.log_softmax(logits.double(), -1)[torch.arange(3), torch.tensor(tokens)]
     assert logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    # The drawn row's token is the one its seed draws (the same generator, the same draw).
+    probs = torch.softmax(logits[1], dim=-1)
+    assert tokens[1] == int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7)).item())
     for bad in (float("nan"), float("inf")):
         logits[1, 5] = bad
         with pytest.raises(ValueError, match="not finite"):

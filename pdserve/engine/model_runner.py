@@ -61,12 +61,14 @@ class ModelRunner:
             slot_offsets=pos_t % bs,
             plan=self.attention_backend.plan(seqs),
         )
+        # Every row samples (a step of decodes only): no rows to pick out.
+        every_row = len(logits_rows) == len(input_ids)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             pos_t,
             meta,
             self.kv_cache.tensor,
-            torch.tensor(logits_rows, dtype=torch.long, device=device),
+            None if every_row else torch.tensor(logits_rows, dtype=torch.long, device=device),
         )
         if not sampled:
             return {}

@@ -49,24 +49,29 @@ def sample(
 ) -> tuple[list[int], list[float]]:
     """One token per row, with its logprob under the model's unmodified distribution. Logits that
     are not finite (NaN or inf: the model's weights or activations went bad) are refused."""
-    tokens, logz = _argmax_logz(logits)
-    if not torch.isfinite(logz).all():
+    tokens, top, logz = _argmax_logz(logits)
+    if not all(math.isfinite(z) for z in logz):
         raise ValueError("the model produced logits that are not finite (NaN or inf)")
+    logprobs = []
     for row, p in enumerate(params):
+        chosen = top[row]  # the greedy token's logit (float32, exactly, as a Python float)
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generators[row])
-    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].double() - logz.double()
-    return tokens, chosen.tolist()
+            chosen = logits[row, tokens[row]].item()
+        logprobs.append(chosen - logz[row])
+    return tokens, logprobs
 
 
-def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """Each row's first maximal index and its log-normaliser log Z (logprob = logit - log Z): on the
-    CPU in one C pass per row (less than half the time of torch's max and log_softmax at batch 16
-    and a 32,000-word vocabulary: docs/perf-log.md, S34), elsewhere by torch."""
+def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+    """Each row's first maximal index, its maximum and its log-normaliser log Z (logprob = logit -
+    log Z), as plain lists: on the CPU in one C pass per row (less than half the time of torch's
+    max and log_softmax at batch 16 and a 32,000-word vocabulary: docs/perf-log.md, S34), elsewhere
+    by torch."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.unbuildable() is None:
         return cpu_kernels.argmax_logz(logits)
     # max() rather than argmax(): the same first maximal index, at a third of the time.
-    return logits.max(dim=-1).indices.tolist(), torch.logsumexp(logits, dim=-1)
+    top = logits.max(dim=-1)
+    return top.indices.tolist(), top.values.double().tolist(), torch.logsumexp(logits, dim=-1).double().tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -204,16 +204,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def argmax_logz(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """For each row of logits [rows, vocab] (float32): the first index of its maximum, and log Z
-    (float64 [rows]), so that token t's logprob is logits[row, t] - log Z."""
+def argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+    """For each row of logits [rows, vocab] (float32): the first index of its maximum, the maximum,
+    and log Z, so that token t's logprob is logits[row, t] - log Z (NaN for a row holding NaN or inf).
+    Plain lists: a step's sampler needs nothing more of torch after this pass."""
     _float_rows(logits, "argmax_logz")
     rows, vocab = logits.shape
     token = torch.empty(rows, dtype=torch.long)
-    logz = torch.empty(rows, dtype=torch.float64)
-    _fn("argmax_logz_f32")(logits.data_ptr(), logits.stride(0), rows, vocab, token.data_ptr(), logz.data_ptr(),
+    stats = torch.empty(rows, 2, dtype=torch.float64)  # each row's maximum and log Z
+    _fn("argmax_logz_f32")(logits.data_ptr(), logits.stride(0), rows, vocab, token.data_ptr(), stats.data_ptr(),
                            torch.get_num_threads())
-    return token.tolist(), logz
+    top, logz = zip(*stats.tolist(), strict=True) if rows else ((), ())
+    return token.tolist(), list(top), list(logz)
 
 
 # The seven weights of a decoder layer, in decode_layers.c's `layer_weights` order.

@@ -39,12 +39,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, L, 2, kv_heads, block_size, head_dim]
-        logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
+        logits_indices: torch.Tensor | None,  # [S] rows whose next-token logits are wanted; None: all
     ) -> torch.Tensor:  # [S, vocab] float32
         h = self.embed(input_ids)  # [T, hidden]
         cos_sin = self.rope.at(positions, h.dtype)
         h, residual = meta.ops.decoder(self.layers, h, cos_sin, meta, kv_cache)
-        x = self.norm((residual + h)[logits_indices])
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        x, _ = meta.ops.add_norm(self.norm, h, residual)
         return meta.ops.linear(self.lm_head, x).float()
 
 
