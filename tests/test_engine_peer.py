@@ -85,3 +85,17 @@ def test_llama_cpp_gives_pdserves_greedy_tokens(plain, tmp_path, monkeypatch):
     finally:
         for p in peers.values():
             p.close()
+
+
+def test_ratios_are_judged_unrounded():
+    """A unit test of the bench's arithmetic (no engines): 442.2 against 294.9 tok/s is 1.4995x,
+    which rounded to three places would read 1.5 and pass a >= 1.5 target; judged on the figure,
+    it misses."""
+    from pdserve.bench.engine_bench import _row, targets_of
+
+    row = _row({"pdserve": [442.2] * 3, "llama.cpp kv f32": [279.0] * 3, "llama.cpp kv f16, flash-attn": [294.9] * 3})
+    assert row["llama_cpp_best"] == "llama.cpp kv f16, flash-attn"
+    assert row["vs_llama_cpp"] == 442.2 / 294.9
+    [target] = targets_of({"prefill": [], "decode": [{"batch": 16, "context": 512, **row}]})
+    assert (target.name, target.target, target.met) == ("decode_batch16_ctx512_vs_llama_cpp", 1.5, False)
+    assert target.to_dict()["value"] == 1.4995

@@ -96,17 +96,18 @@ def _interleaved(sides: dict[str, Callable[[], float]], repeats: int) -> dict[st
 
 
 def _row(got: dict[str, list[float]]) -> dict:
-    """pdserve's median and min, each baseline's median, llama.cpp's best setting, the ratios."""
+    """pdserve's median and min, each baseline's median, llama.cpp's best setting, the ratios (of
+    the unrounded medians, unrounded: a target is judged on the figure, not on its display)."""
     ours = got.pop("pdserve")
     row = {"pdserve_tok_s": round(median(ours), 1), "pdserve_min_tok_s": round(min(ours), 1)}
     if "transformers" in got:
         theirs = median(got.pop("transformers"))
-        row |= {"transformers_tok_s": round(theirs, 1), "ratio": round(median(ours) / theirs, 3)}
+        row |= {"transformers_tok_s": round(theirs, 1), "ratio": median(ours) / theirs}
     if got:  # llama.cpp, one entry per setting: the best one's median is the bar
         best = max(got, key=lambda k: median(got[k]))
         row |= {"llama_cpp": {k: {"median_tok_s": round(median(v), 1), "min_tok_s": round(min(v), 1)}
                               for k, v in got.items()},
-                "llama_cpp_best": best, "vs_llama_cpp": round(median(ours) / median(got[best]), 3)}
+                "llama_cpp_best": best, "vs_llama_cpp": median(ours) / median(got[best])}
     return row
 
 
