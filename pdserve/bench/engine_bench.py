@@ -96,8 +96,8 @@ def _interleaved(sides: dict[str, Callable[[], float]], repeats: int) -> dict[st
 
 
 def _row(got: dict[str, list[float]]) -> dict:
-    """pdserve's median and min, each baseline's median, llama.cpp's best setting, the ratios (of
-    the unrounded medians, unrounded: a target is judged on the figure, not on its display)."""
+    """pdserve's median and min, each baseline's median, llama.cpp's best setting, the ratios (not
+    rounded: a target is judged on the figure, not on its display)."""
     ours = got.pop("pdserve")
     row = {"pdserve_tok_s": round(median(ours), 1), "pdserve_min_tok_s": round(min(ours), 1)}
     if "transformers" in got:

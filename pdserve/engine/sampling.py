@@ -71,7 +71,7 @@ def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[flo
         return cpu_kernels.argmax_logz(logits)
     # max() rather than argmax(): the same first maximal index, at a third of the time.
     top = logits.max(dim=-1)
-    return top.indices.tolist(), top.values.double().tolist(), torch.logsumexp(logits, dim=-1).double().tolist()
+    return top.indices.tolist(), top.values.tolist(), torch.logsumexp(logits, dim=-1).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

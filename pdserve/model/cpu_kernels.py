@@ -49,7 +49,7 @@ def library() -> ctypes.CDLL:
     lib.small_gemm_available.restype = ctypes.c_int
     lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.silu_mul_f32.restype = None
-    lib.argmax_logz_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.argmax_logz_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.argmax_logz_f32.restype = None
     lib.decode_layers_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
                                       *[i64] * 8, ctypes.c_float, ctypes.c_float, ctypes.c_int]
@@ -211,11 +211,11 @@ def argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[floa
     _float_rows(logits, "argmax_logz")
     rows, vocab = logits.shape
     token = torch.empty(rows, dtype=torch.long)
-    stats = torch.empty(rows, 2, dtype=torch.float64)  # each row's maximum and log Z
-    _fn("argmax_logz_f32")(logits.data_ptr(), logits.stride(0), rows, vocab, token.data_ptr(), stats.data_ptr(),
-                           torch.get_num_threads())
-    top, logz = zip(*stats.tolist(), strict=True) if rows else ((), ())
-    return token.tolist(), list(top), list(logz)
+    top = torch.empty(rows, dtype=torch.float64)
+    logz = torch.empty(rows, dtype=torch.float64)
+    _fn("argmax_logz_f32")(logits.data_ptr(), logits.stride(0), rows, vocab, token.data_ptr(), top.data_ptr(),
+                           logz.data_ptr(), torch.get_num_threads())
+    return token.tolist(), top.tolist(), logz.tolist()
 
 
 # The seven weights of a decoder layer, in decode_layers.c's `layer_weights` order.

@@ -67,14 +67,14 @@ void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t o
 }
 
 /* For each row of logits [rows, vocab] (rows `stride` floats apart): the first index of its
- * maximum, the maximum and log Z = max + log(sum(exp(x - max))) (into stats[r] = {max, log Z}),
- * so that any token's logprob is x[t] - log Z, the greedy token's max - log Z.
+ * maximum, the maximum (top) and log Z = max + log(sum(exp(x - max))), so that any token's
+ * logprob is x[t] - log Z, the greedy token's top - log Z.
  * Two passes over a row that stays in L2, instead of torch's max (values and indices) and a whole
  * log_softmax over [rows, vocab] (docs/perf-log.md, S34). A row holding NaN
  * or inf gets log Z = NaN (the caller refuses it), found from the exponent bits: -ffast-math lets
  * the compiler assume no float is ever NaN or inf, so no float compare can be trusted to. */
 void argmax_logz_f32(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *token,
-                     double *stats, int threads) {
+                     double *top, double *logz, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * stride;
@@ -93,12 +93,12 @@ void argmax_logz_f32(const float *logits, int64_t stride, int64_t rows, int64_t 
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < vocab; i++) s += exp_clamped(x[i] - m);
         token[r] = t;
-        stats[2 * r] = (double)m;
+        top[r] = (double)m;
         if (special) {
             const uint64_t nan_bits = 0x7ff8000000000000ull;
-            memcpy(stats + 2 * r + 1, &nan_bits, sizeof nan_bits);
+            memcpy(logz + r, &nan_bits, sizeof nan_bits);
         } else {
-            stats[2 * r + 1] = (double)m + log((double)s);
+            logz[r] = (double)m + log((double)s);
         }
     }
 }
