@@ -77,8 +77,12 @@ def test_a_long_span_moves_as_slices_side_by_side_and_each_span_is_told_as_it_la
     assert torch.equal(ours[:n], theirs[:n]) and torch.equal(ours[n + 4096 : n + 8192], theirs[n + 4096 : n + 8192])
     assert sorted(landed, key=lambda s: s.local) == spans  # each once, whole
     ours.fill_(9)
-    assert b.write(a.segment, [Span(ot, at, n)]) == 3
-    assert int((theirs[:n] == 9).sum()) == n
+    theirs.zero_()
+    seen: list[tuple[Span, int]] = []  # each span given to `before`, and how much of it had landed then
+    before = lambda s: seen.append((s, int((theirs[s.remote - at : s.remote - at + s.nbytes] == 9).sum())))  # noqa: E731
+    assert b.write(a.segment, [Span(ot, at, n), Span(ot + n + 4096, at + n + 4096, 4096)], before) == 4
+    assert int((theirs[:n] == 9).sum()) == n and int((theirs[n + 4096 : n + 8192] == 9).sum()) == 4096
+    assert seen == [(spans[0], 0), (spans[1], 0)]  # each once, whole, in order, before any of its bytes moved
 
 
 def test_a_failed_transfer_raises_with_its_cause(engines):
@@ -124,6 +128,9 @@ def test_a_failed_slice_is_tried_once_more_then_the_transfer_fails(engines, fail
         if fails == 1:
             assert b.read(a.segment, [span], on_done=landed.append) == 1
             assert torch.equal(ours, theirs) and landed == [span]
+            b.engine.fails, before = 1, []
+            assert b.write(a.segment, [span], before.append) == 1
+            assert before == [span]  # not again for the slice tried once more
         else:
             with pytest.raises(TransferError, match=r"failed \(failed; 1 slices, 65536 bytes\)"):
                 b.read(a.segment, [span], on_done=landed.append)

@@ -1,8 +1,8 @@
 """`pdserve bench kvstore`: put/get through the store vs the raw transfer engine vs gRPC bytes.
 
 All three move the same bytes between the same two processes (this one and a store process)
-in the same run. Store put = AllocatePut + transfer-engine write (the blocks' checksums computed
-meanwhile) + CommitPut; store get = Get + transfer-engine read + verifying every block's
+in the same run. Store put = AllocatePut + transfer-engine write (each slice's checksums computed
+just before it is submitted) + CommitPut; store get = Get + transfer-engine read + verifying every block's
 checksum (the reader sends ReleaseLease without waiting for it; that call is timed on its own);
 raw = one transfer-engine slice, no control plane, no checksums, timed both with the engine's
 own sync call (which spins until done) and submitted then polled as the store's client does;
@@ -30,7 +30,7 @@ from pdserve.bench.report import Target, emit
 from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kvclient.store_client import StoreClient
-from pdserve.kvclient.transfer import Span, Transfer, TransferError
+from pdserve.kvclient.transfer import Span, Transfer, TransferError, block_spans
 from pdserve.model.loader import load_model
 from pdserve.runtime.launch import ServiceProcess
 
@@ -74,10 +74,6 @@ async def _timed_raw(fn, *args) -> float:
     return dt
 
 
-async def _beside(*fs: Callable[[], Awaitable]) -> None:
-    await asyncio.gather(*(f() for f in fs))
-
-
 async def _pair(a: Callable[[], Awaitable], b: Callable[[], Awaitable], a_s: list[float], b_s: list[float],
                 flip: bool) -> None:
     """Time `a()` and `b()` one after the other (b first when `flip`), into a_s and b_s."""
@@ -114,13 +110,16 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         raw = alloc.slots.addresses == [base + i * nbytes for i in range(n)]
         e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
         if raw:
-            # What the checksums add to a move: the same raw write with the writer's checksums
-            # computed beside it, and a raw read verifying each span as it lands (as the client
-            # does). Taken in pairs, each pair's order alternating (the first of two like moves
-            # runs slower here); the cost is the median of the pairs' differences.
+            # What the checksums add to a move: the same raw write with the writer's checksum of
+            # each span taken just before it is submitted, and a raw read verifying each span as
+            # it lands (as the client does). Taken in pairs, each pair's order alternating (the
+            # first of two like moves runs slower here); the cost is the median of the pairs'
+            # differences.
             write = functools.partial(asyncio.to_thread, transfer.write, client.segment, span)
-            await _pair(write, functools.partial(_beside, write, functools.partial(
-                asyncio.to_thread, checksums_at, addrs, nbytes)), polled_w, polled_w_sums, len(polled_w) % 2 == 1)
+            summed = functools.partial(asyncio.to_thread, transfer.write, client.segment, block_spans(
+                addrs, [base + i * nbytes for i in range(n)], nbytes), lambda s: checksums_at(
+                    range(s.local, s.local + s.nbytes, nbytes), nbytes))
+            await _pair(write, summed, polled_w, polled_w_sums, len(polled_w) % 2 == 1)
         t0 = time.perf_counter()
         dt, resp = await _timed(client.pin(hashes))
         ctrl["get"].append(dt)

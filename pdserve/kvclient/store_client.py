@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from pdserve import logs
-from pdserve.kv.checksum import checksums_at, mismatches
+from pdserve.kv.checksum import checksum_at, mismatches
 from pdserve.kv.layout import HashProfile
 from pdserve.kvclient.results import (
     PENDING,
@@ -139,12 +139,22 @@ class StoreClient:
             request_id=request_id, writer_keeps_copy=writer_keeps_copy, hold_ms=hold_ms))
         return Allocation(resp.lease_id, list(hashes), slots_from_pb(resp.slots), bool(tail_key), resp.hold_lease_id)
 
-    async def write(self, slots: Slots, local_addrs: Sequence[int]) -> int:
-        """Write the blocks whose slot says WRITE (not committed: see `ship`); returns the slices used."""
+    async def write(self, slots: Slots, local_addrs: Sequence[int]) -> tuple[int, dict[int, int]]:
+        """Write the blocks whose slot says WRITE (not committed: see `ship`), checksumming each
+        span just before it is submitted (its bytes then leave from the cache, and the checksum of
+        the next span runs while this one moves); returns the slices used and each written
+        block's checksum by its local address."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"write: {len(local_addrs)} local addresses for {len(slots)} slots")
+        nbytes, sums = self.block_nbytes, {}
+
+        def checksum(span: Span) -> None:
+            for a in range(span.local, span.local + span.nbytes, nbytes):
+                sums[a] = checksum_at(a, nbytes)
+
         mine = [s == WRITE for s in slots.states]
-        return await self._move(block_spans(local_addrs, slots.addresses, self.block_nbytes, mine), write=True)
+        slices = await self._move(block_spans(local_addrs, slots.addresses, nbytes, mine), write=True, before=checksum)
+        return slices, sums
 
     async def commit(self, lease_id: str, hashes: Sequence[bytes], checksums: Sequence[int], tail: bool = False,
                      tail_checksum: int = 0, tail_ttl_ms: int = 0) -> tuple[int, bool]:
@@ -167,8 +177,8 @@ class StoreClient:
         if not picked:
             return 0
         ours = [local_addrs[i - start] for i in picked]
-        slices, sums = await asyncio.gather(self.write(slots, local_addrs),
-                                            asyncio.to_thread(checksums_at, ours, self.block_nbytes))
+        slices, by_addr = await self.write(slots, local_addrs)
+        sums = [by_addr[a] for a in ours]
         tail = picked[-1] == len(alloc.hashes)
         full = picked[:-1] if tail else picked
         commit = asyncio.ensure_future(self.commit(alloc.lease_id, [alloc.hashes[i] for i in full], sums[: len(full)],
@@ -277,13 +287,13 @@ class StoreClient:
         finally:
             call.cancel()
 
-    async def _move(self, spans: list[Span], write: bool, on_done=None) -> int:
+    async def _move(self, spans: list[Span], write: bool, on_done=None, before=None) -> int:
         transfer = self._require_transfer()
         if not self.segment:
             await self.connect()
         try:
             if write:
-                return await asyncio.to_thread(transfer.write, self.segment, spans)
+                return await asyncio.to_thread(transfer.write, self.segment, spans, before)
             return await asyncio.to_thread(transfer.read, self.segment, spans, on_done)
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
