@@ -1,14 +1,14 @@
 """`pdserve bench kvstore`: put/get through the store vs the raw transfer engine vs gRPC bytes.
 
 All three move the same bytes between the same two processes (this one and a store process)
-in the same run. Store put = AllocatePut + transfer-engine write (each slice's checksums computed
-just before it is submitted) + CommitPut; store get = Get + transfer-engine read + verifying every block's
-checksum (the reader sends ReleaseLease without waiting for it; that call is timed on its own);
-raw = one transfer-engine slice, no control plane, no checksums, timed both with the engine's
-own sync call (which spins until done) and submitted then polled as the store's client does;
-the targets are against the faster of the two. Each size runs in a store of its own with room
-for what it writes; the full-store rows time an allocate that evicts. The checksum's own cost
-is timed alone over the same blocks.
+in the same run. Store put = AllocatePut + transfer-engine write (each slice's checksums
+computed just before it is submitted) + CommitPut; store get = Get + transfer-engine read +
+verifying every block's checksum (the reader sends ReleaseLease without waiting for it; that call
+is timed on its own); raw = one transfer-engine slice, no control plane, no checksums, timed both
+with the engine's own sync call (which spins until done) and submitted then polled as the store's
+client does; the targets are against the faster of the two. Each size runs in a store of its own
+with room for what it writes; the full-store rows time an allocate that evicts. The checksum's
+own cost is timed alone over the same blocks.
 """
 
 from __future__ import annotations

@@ -141,9 +141,8 @@ class StoreClient:
 
     async def write(self, slots: Slots, local_addrs: Sequence[int]) -> tuple[int, dict[int, int]]:
         """Write the blocks whose slot says WRITE (not committed: see `ship`), checksumming each
-        span just before it is submitted (its bytes then leave from the cache, and the checksum of
-        the next span runs while this one moves); returns the slices used and each written
-        block's checksum by its local address."""
+        span just before it is submitted, while the spans before it move (docs/perf-log.md, S36);
+        returns the slices used and each written block's checksum by its local address."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"write: {len(local_addrs)} local addresses for {len(slots)} slots")
         nbytes, sums = self.block_nbytes, {}
