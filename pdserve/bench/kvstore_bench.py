@@ -118,7 +118,7 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
             write = functools.partial(asyncio.to_thread, transfer.write, client.segment, span)
             summed = functools.partial(asyncio.to_thread, transfer.write, client.segment, block_spans(
                 addrs, [base + i * nbytes for i in range(n)], nbytes), lambda s: checksums_at(
-                    range(s.local, s.local + s.nbytes, nbytes), nbytes))
+                    s.blocks(nbytes), nbytes))
             await _pair(write, summed, polled_w, polled_w_sums, len(polled_w) % 2 == 1)
         t0 = time.perf_counter()
         dt, resp = await _timed(client.pin(hashes))

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from pdserve import logs
-from pdserve.kv.checksum import checksum_at, mismatches
+from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
 from pdserve.kvclient.results import (
     PENDING,
@@ -148,8 +148,8 @@ class StoreClient:
         nbytes, sums = self.block_nbytes, {}
 
         def checksum(span: Span) -> None:
-            for a in range(span.local, span.local + span.nbytes, nbytes):
-                sums[a] = checksum_at(a, nbytes)
+            addrs = span.blocks(nbytes)
+            sums.update(zip(addrs, checksums_at(addrs, nbytes), strict=True))
 
         mine = [s == WRITE for s in slots.states]
         slices = await self._move(block_spans(local_addrs, slots.addresses, nbytes, mine), write=True, before=checksum)
@@ -232,7 +232,7 @@ class StoreClient:
         bad: list[int] = []
 
         def verify(span: Span) -> None:  # each span as it lands, while the others still move
-            ids = [where[a] for a in range(span.local, span.local + span.nbytes, nbytes)]
+            ids = [where[a] for a in span.blocks(nbytes)]
             bad.extend(ids[j] for j in mismatches([local_addrs[i] for i in ids], nbytes,
                                                   [slots.checksums[i] for i in ids]))
 

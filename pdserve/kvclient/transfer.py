@@ -40,6 +40,10 @@ class Span:
     remote: int  # address in the peer's registered memory
     nbytes: int
 
+    def blocks(self, block_nbytes: int) -> range:
+        """The local addresses of the blocks of `block_nbytes` this span covers."""
+        return range(self.local, self.local + self.nbytes, block_nbytes)
+
 
 def block_spans(local: Sequence[int], remote: Sequence[int], nbytes: int, moves: Sequence[bool] | None = None
                 ) -> list[Span]:
