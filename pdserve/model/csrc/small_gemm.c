@@ -14,13 +14,16 @@
  *
  * Every output is the same sum in the same order whatever m and whichever tile computes it, so a
  * row's result does not depend on the batch around it. Built with AVX-512F (16 lanes, 4 x 4
- * tiles) or AVX2 + FMA (8 lanes, 4 x 3 tiles: AVX2 has 16 vector registers); elsewhere
- * small_gemm_available() says 0 and callers use torch.
+ * tiles, and 8 x 3 from WIDE_FROM rows on) or AVX2 + FMA (8 lanes, 4 x 3 tiles: AVX2 has 16
+ * vector registers); elsewhere small_gemm_available() says 0 and callers use torch.
  *
  * A tile's accumulators stay in registers only when the compiler knows its shape: full tiles are
  * inlined with constant rows and cols (one case per row count), and only the last, partial
  * column block takes the generic loop. With runtime bounds they lived on the stack, and 16 rows
- * ran at little more than half the FMA rate (docs/perf-log.md, S30).
+ * ran at little more than half the FMA rate (docs/perf-log.md, S30). For the same reason each
+ * tile shape has its own tile function (its accumulator array exactly its size: one array sized
+ * for both made the 4-wide one-row tile 5-10% slower) and its own parallel region (a region's
+ * body is outlined into a function of its own, where the shape would be a runtime value).
  */
 #include <stdint.h>
 
@@ -31,6 +34,13 @@
 #if defined(__AVX512F__)
 #define LANES 16
 #define COLS 4
+/* The wide tile: 24 of the 32 vector registers accumulate, and each weight vector loaded from L2
+ * serves 8 rows instead of 4. It pays where a step is bound by the FMAs, not by memory: from 13 rows
+ * on, the 100M shape's decode linears took 14-17% less time (13-32 rows, Zen 5); at 5-12 rows it was
+ * within 5% either way, no steadier than builds of the same tile laid out differently (S37). */
+#define WIDE_ROWS 8
+#define WIDE_COLS 3
+#define WIDE_FROM 13
 typedef __m512 vec;
 typedef __mmask16 tail_mask;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
@@ -79,105 +89,152 @@ static int64_t pf_min_rows(void) { return __builtin_cpu_is("amd") ? 3 : 1; }
 
 int small_gemm_available(void) { return 1; }
 
-/* `rows` (1..ROWS) of x against `cols` (1..COLS) rows of w; prefetch the `pf_lines` cache lines
- * from `pf` on, spread evenly over the k steps. The lanes past k (the last, masked chunk) add zeros. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, int64_t rows,
-                                                       const float *w, int64_t cols, int64_t k, const char *pf,
-                                                       int64_t pf_lines, float *out, int64_t out_stride,
-                                                       const float *bias) {
-    const int64_t steps = k / LANES > 0 ? k / LANES : 1;
-    int64_t pf_done = 0, pf_credit = 0; /* pf_lines / steps lines a step, without a division */
-    vec acc[ROWS][COLS];
-    for (int r = 0; r < ROWS; r++)
-        for (int c = 0; c < COLS; c++) acc[r][c] = vzero();
-    int64_t i = 0;
-    for (; i + LANES <= k; i += LANES) {
-        vec wv[COLS];
-        for (pf_credit += pf_lines; pf_credit >= steps; pf_credit -= steps)
-            _mm_prefetch(pf + 64 * pf_done++, PF_HINT);
-        for (int c = 0; c < cols; c++) {
-            wv[c] = vload(w + c * k + i);
-            if (rows > 1) IN_REGISTER(wv[c]); /* (used once, it is best folded into its FMA) */
-        }
-        for (int r = 0; r < rows; r++) {
-            vec xv = vload(x + r * x_stride + i);
-            IN_REGISTER(xv);
-            for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
-        }
+/* tile_narrow and tile_wide: `rows` (1..MAX_ROWS) of x against `cols` (1..MAX_COLS) rows of w;
+ * prefetch the `pf_lines` cache lines from `pf` on, spread evenly over the k steps. The lanes past
+ * k (the last, masked chunk) add zeros. */
+#define DEFINE_TILE(NAME, MAX_ROWS, MAX_COLS)                                                              \
+    static inline __attribute__((always_inline)) void NAME(                                               \
+        const float *x, int64_t x_stride, int64_t rows, const float *w, int64_t cols, int64_t k,          \
+        const char *pf, int64_t pf_lines, float *out, int64_t out_stride, const float *bias) {            \
+        const int64_t steps = k / LANES > 0 ? k / LANES : 1;                                             \
+        int64_t pf_done = 0, pf_credit = 0; /* pf_lines / steps lines a step, without a division */      \
+        vec acc[MAX_ROWS][MAX_COLS];                                                                      \
+        for (int r = 0; r < rows; r++)                                                                    \
+            for (int c = 0; c < cols; c++) acc[r][c] = vzero();                                           \
+        int64_t i = 0;                                                                                    \
+        for (; i + LANES <= k; i += LANES) {                                                              \
+            vec wv[MAX_COLS];                                                                             \
+            for (pf_credit += pf_lines; pf_credit >= steps; pf_credit -= steps)                          \
+                _mm_prefetch(pf + 64 * pf_done++, PF_HINT);                                               \
+            for (int c = 0; c < cols; c++) {                                                              \
+                wv[c] = vload(w + c * k + i);                                                             \
+                if (rows > 1) IN_REGISTER(wv[c]); /* (used once, it is best folded into its FMA) */      \
+            }                                                                                             \
+            for (int r = 0; r < rows; r++) {                                                              \
+                vec xv = vload(x + r * x_stride + i);                                                     \
+                IN_REGISTER(xv);                                                                          \
+                for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);                    \
+            }                                                                                             \
+        }                                                                                                 \
+        for (; pf_done < pf_lines; pf_done++) _mm_prefetch(pf + pf_done * 64, PF_HINT);                  \
+        if (i < k) {                                                                                      \
+            const tail_mask mask = mask_of(k - i);                                                        \
+            vec wv[MAX_COLS];                                                                             \
+            for (int c = 0; c < cols; c++) wv[c] = vload_tail(w + c * k + i, mask);                       \
+            for (int r = 0; r < rows; r++) {                                                              \
+                const vec xv = vload_tail(x + r * x_stride + i, mask);                                    \
+                for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);                    \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int r = 0; r < rows; r++)                                                                    \
+            for (int c = 0; c < cols; c++)                                                                \
+                out[r * out_stride + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);                      \
     }
-    for (; pf_done < pf_lines; pf_done++) _mm_prefetch(pf + pf_done * 64, PF_HINT);
-    if (i < k) {
-        const tail_mask mask = mask_of(k - i);
-        vec wv[COLS];
-        for (int c = 0; c < cols; c++) wv[c] = vload_tail(w + c * k + i, mask);
-        for (int r = 0; r < rows; r++) {
-            const vec xv = vload_tail(x + r * x_stride + i, mask);
-            for (int c = 0; c < cols; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++)
-            out[r * out_stride + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
-}
 
-/* `tile` with its shape as constants where it is a full one (one case per row count); only the last,
- * partial column block takes the generic loop. */
+DEFINE_TILE(tile_narrow, ROWS, COLS)
+#ifdef WIDE_ROWS
+DEFINE_TILE(tile_wide, WIDE_ROWS, WIDE_COLS)
+#endif
+
+/* A tile with its shape as constants where it is a full one (one case per row count); only the last,
+ * partial column block takes the generic loop. tile_rows and tile_cols (constants where inlined)
+ * name the tile function: tile_wide for WIDE_ROWS, tile_narrow for ROWS. */
 static inline __attribute__((always_inline)) void row_tile(const float *x, int64_t x_stride, int64_t rows,
                                                            const float *w, int64_t cols, int64_t k, const char *pf,
                                                            int64_t pf_lines, float *out, int64_t out_stride,
-                                                           const float *bias) {
-#define TILE(R, C) tile(x, x_stride, R, w, C, k, pf, pf_lines, out, out_stride, bias)
-    if (cols != COLS) {
+                                                           const float *bias, const int64_t tile_rows,
+                                                           const int64_t tile_cols) {
+#ifdef WIDE_ROWS
+#define TILE(R, C) \
+    (tile_rows == WIDE_ROWS ? tile_wide : tile_narrow)(x, x_stride, R, w, C, k, pf, pf_lines, out, out_stride, bias)
+#else
+#define TILE(R, C) tile_narrow(x, x_stride, R, w, C, k, pf, pf_lines, out, out_stride, bias)
+#endif
+    if (cols != tile_cols) {
         TILE(rows, cols);
         return;
     }
     switch (rows) {
-    case 1: TILE(1, COLS); break;
-    case 2: TILE(2, COLS); break;
-    case 3: TILE(3, COLS); break;
-    case 4: TILE(4, COLS); break;
-    default: TILE(rows, COLS); break; /* (none while ROWS is 4) */
+    case 1: TILE(1, tile_cols); break;
+    case 2: TILE(2, tile_cols); break;
+    case 3: TILE(3, tile_cols); break;
+    case 4: TILE(4, tile_cols); break;
+#ifdef WIDE_ROWS /* (only wide tiles have more rows) */
+    case 5: TILE(5, tile_cols); break;
+    case 6: TILE(6, tile_cols); break;
+    case 7: TILE(7, tile_cols); break;
+    case 8: TILE(8, tile_cols); break;
+#endif
+    default: TILE(rows, tile_cols); break; /* (none) */
     }
 #undef TILE
 }
 
-void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
-                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t blocks = (n + COLS - 1) / COLS; /* the last may hold fewer than COLS rows */
-    const int64_t block_bytes = COLS * k * (int64_t)sizeof(float);
-    const int64_t row_tiles = (m + ROWS - 1) / ROWS;
+/* This thread's share of the weight rows (contiguous), in tiles of tile_rows x tile_cols. */
+static inline __attribute__((always_inline)) void share(const float *x, int64_t x_stride, const float *w,
+                                                        const float *bias, float *out, int64_t out_stride,
+                                                        int64_t m, int64_t n, int64_t k, const int64_t tile_rows,
+                                                        const int64_t tile_cols) {
+    const int64_t blocks = (n + tile_cols - 1) / tile_cols; /* the last may hold fewer than tile_cols rows */
+    const int64_t block_bytes = tile_cols * k * (int64_t)sizeof(float);
+    const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;
     const int64_t min_rows = pf_min_rows();
     /* Blocks per chunk: a chunk and the next one, being prefetched, fit in L2 together. */
     int64_t chunk = CHUNK_BYTES / block_bytes;
     if (chunk < 1) chunk = 1;
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t lo = blocks * t / nt, hi = blocks * (t + 1) / nt; /* this thread's contiguous share */
-        for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
-            const int64_t c1 = c0 + chunk < hi ? c0 + chunk : hi;
-            /* What to prefetch meanwhile: the next chunk of this thread's share (contiguous in w),
-             * spread evenly over every tile of this chunk, so that the weights stream from memory
-             * while the row tiles compute from cache, not only during the first. */
-            const int64_t next1 = c1 + chunk < hi ? c1 + chunk : hi;
-            const char *pf = (const char *)(w + c1 * COLS * k);
-            const int64_t next_rows = (next1 * COLS < n ? next1 * COLS : n) - c1 * COLS;
-            const int64_t lines =
-                m >= min_rows && next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
-            const int64_t tiles = (c1 - c0) * row_tiles;
-            int64_t done = 0, tile_i = 0;
-            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-                const int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
-                for (int64_t b = c0; b < c1; b++) {
-                    const int64_t cols = n - b * COLS < COLS ? n - b * COLS : COLS;
-                    const int64_t upto = lines * ++tile_i / tiles;
-                    row_tile(x + r0 * x_stride, x_stride, rows, w + b * COLS * k, cols, k, pf + done * 64, upto - done,
-                             out + r0 * out_stride + b * COLS, out_stride, bias ? bias + b * COLS : 0);
-                    done = upto;
-                }
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = blocks * t / nt, hi = blocks * (t + 1) / nt; /* this thread's contiguous share */
+    for (int64_t c0 = lo; c0 < hi; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < hi ? c0 + chunk : hi;
+        /* What to prefetch meanwhile: the next chunk of this thread's share (contiguous in w),
+         * spread evenly over every tile of this chunk, so that the weights stream from memory
+         * while the row tiles compute from cache, not only during the first. */
+        const int64_t next1 = c1 + chunk < hi ? c1 + chunk : hi;
+        const char *pf = (const char *)(w + c1 * tile_cols * k);
+        const int64_t next_rows = (next1 * tile_cols < n ? next1 * tile_cols : n) - c1 * tile_cols;
+        const int64_t lines =
+            m >= min_rows && next_rows > 0 ? (next_rows * k * (int64_t)sizeof(float) + 63) / 64 : 0;
+        const int64_t tiles = (c1 - c0) * row_tiles;
+        int64_t done = 0, tile_i = 0;
+        for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+            const int64_t rows = m - r0 < tile_rows ? m - r0 : tile_rows;
+            for (int64_t b = c0; b < c1; b++) {
+                const int64_t cols = n - b * tile_cols < tile_cols ? n - b * tile_cols : tile_cols;
+                const int64_t upto = lines * ++tile_i / tiles;
+                row_tile(x + r0 * x_stride, x_stride, rows, w + b * tile_cols * k, cols, k, pf + done * 64,
+                         upto - done, out + r0 * out_stride + b * tile_cols, out_stride,
+                         bias ? bias + b * tile_cols : 0, tile_rows, tile_cols);
+                done = upto;
             }
         }
     }
+}
+
+/* One parallel region per tile shape: a region's body is compiled as a function of its own, and
+ * only there is the shape a constant. */
+static void gemm_narrow(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
+                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+#pragma omp parallel num_threads(threads)
+    share(x, x_stride, w, bias, out, out_stride, m, n, k, ROWS, COLS);
+}
+
+#ifdef WIDE_ROWS
+static void gemm_wide(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
+                      int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+#pragma omp parallel num_threads(threads)
+    share(x, x_stride, w, bias, out, out_stride, m, n, k, WIDE_ROWS, WIDE_COLS);
+}
+#endif
+
+void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
+                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
+#ifdef WIDE_ROWS
+    if (m >= WIDE_FROM) {
+        gemm_wide(x, x_stride, w, bias, out, out_stride, m, n, k, threads);
+        return;
+    }
+#endif
+    gemm_narrow(x, x_stride, w, bias, out, out_stride, m, n, k, threads);
 }
 
 #else
