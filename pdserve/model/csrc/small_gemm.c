@@ -35,12 +35,15 @@
 #define LANES 16
 #define COLS 4
 /* The wide tile: 24 of the 32 vector registers accumulate, and each weight vector loaded from L2
- * serves 8 rows instead of 4. It pays where a step is bound by the FMAs, not by memory: from 13 rows
- * on, the 100M shape's decode linears took 14-17% less time (13-32 rows, Zen 5); at 5-12 rows it was
- * within 5% either way, no steadier than builds of the same tile laid out differently (S37). */
+ * serves 8 rows instead of 4. It pays where the weights stream from memory and a step is bound by
+ * the FMAs: from 13 rows on, the 100M shape's decode linears (4-125 MiB each) took 14-17% less time
+ * (13-32 rows, Zen 5); at 5-12 rows it was within 5% either way, no steadier than builds of the same
+ * tile laid out differently. Weights that stay in the caches between steps (the tiny model's, at
+ * most 1.4 MiB) ran 2-8% slower in it (docs/perf-log.md, S37). */
 #define WIDE_ROWS 8
 #define WIDE_COLS 3
 #define WIDE_FROM 13
+#define WIDE_MIN_BYTES (2 << 20)
 typedef __m512 vec;
 typedef __mmask16 tail_mask;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
@@ -229,7 +232,7 @@ static void gemm_wide(const float *x, int64_t x_stride, const float *w, const fl
 void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
                     int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads) {
 #ifdef WIDE_ROWS
-    if (m >= WIDE_FROM) {
+    if (m >= WIDE_FROM && n * k * (int64_t)sizeof(float) >= WIDE_MIN_BYTES) {
         gemm_wide(x, x_stride, w, bias, out, out_stride, m, n, k, threads);
         return;
     }
