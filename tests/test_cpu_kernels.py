@@ -146,8 +146,8 @@ def _avx2_linear():
 
 @pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="no AVX-512 or AVX2 + FMA here")
 @pytest.mark.parametrize("build_for", ["this CPU", "AVX2"])
-# (13 rows on of 2 MiB of weights on take the wide tiles where AVX-512 is: the last two, with leftover
-# rows, columns and lanes)
+# (13 or more rows against 2 MiB or more of weights take the wide tiles where AVX-512 is: the last two,
+# with leftover rows, columns and lanes)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 512, 256), (16, 1408, 256), (5, 258, 704), (3, 7, 19), (64, 33, 100),
                                           (13, 1000, 600), (20, 2051, 257)])
 def test_small_gemm_matches_float64_and_each_row_is_independent_of_the_batch(m, n, k, build_for):
