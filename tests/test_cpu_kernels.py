@@ -144,6 +144,19 @@ def _avx2_linear():
     return linear
 
 
+def test_silu_mul_over_threads_gives_each_row_as_alone():
+    """A prompt-sized input (over the size that splits rows across threads; odd widths): every
+    row's output is the same bits as that row computed alone, on one thread, and close to torch."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(301, 2 * 257, generator=gen) * 4
+    out = cpu_kernels.silu_mul(gate_up)
+    assert out.shape == (301, 257)
+    for r in (0, 1, 150, 299, 300):
+        assert torch.equal(out[r], cpu_kernels.silu_mul(gate_up[r : r + 1])[0]), r
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.skipif(not cpu_kernels.small_gemm_available(), reason="no AVX-512 or AVX2 + FMA here")
 @pytest.mark.parametrize("build_for", ["this CPU", "AVX2"])
 # (13 or more rows against 2 MiB or more of weights take the wide tiles where AVX-512 is: the last two,

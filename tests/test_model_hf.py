@@ -142,15 +142,20 @@ def test_a_checkpoint_is_described_as_its_workers_load_it_without_reading_its_we
     assert describe(str(tmp_path / "a"), torch.bfloat16).fingerprint != spec.fingerprint
 
 
-@pytest.mark.parametrize("linear_weights,chunk", [("auto", 32), ("auto", 256), ("packed", 32)])
-def test_greedy_tokens_at_the_100m_shape_equal_transformers(tmp_path, linear_weights, chunk):
+@pytest.mark.parametrize("linear_weights,chunk,onednn", [("auto", 32, None), ("auto", 256, True),
+                                                         ("auto", 256, False), ("packed", 32, None)])
+def test_greedy_tokens_at_the_100m_shape_equal_transformers(tmp_path, monkeypatch, linear_weights, chunk, onednn):
     """The engine bench's realistic shape (hidden 1024, 16 / 4 heads, vocab 32,000; 2 of its
     layers): prompts around block boundaries, continuously batched, with whatever backend and row
     ops the runner picks here (and with oneDNN's packed linears), give transformers' greedy tokens.
     Steps of up to `chunk` tokens: at 256 the prompts run in one step of more rows than the C
-    GEMM takes (SMALL_GEMM_MAX_ROWS), so prompt linears take the other path too."""
-    if linear_weights == "packed" and (why := packed_linear.unavailable(torch.device(TEST_DEVICE), torch.float32)):
+    GEMM takes (SMALL_GEMM_MAX_ROWS), so prompt linears take the other path too, through each of
+    its libraries (`onednn`: oneDNN's GEMM, or torch's own), whichever this CPU would pick."""
+    if (linear_weights == "packed" or onednn) and (
+            why := packed_linear.unavailable(torch.device(TEST_DEVICE), torch.float32)):
         pytest.skip(why)
+    if onednn is not None:
+        monkeypatch.setattr(packed_linear, "prompt_linear_by_onednn", lambda: onednn)
     hf_model = make_checkpoint("llama_100m_2layers", tmp_path)
     engine = LLMEngine(load_model(str(tmp_path)), EngineConfig(num_blocks=64, max_num_batched_tokens=chunk,
                                                                device=TEST_DEVICE, linear_weights=linear_weights))

@@ -47,7 +47,7 @@ def library() -> ctypes.CDLL:
     lib.small_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.small_gemm_f32.restype = None
     lib.small_gemm_available.restype = ctypes.c_int
-    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     lib.silu_mul_f32.restype = None
     lib.argmax_logz_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.argmax_logz_f32.restype = None
@@ -200,7 +200,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _float_rows(gate_up, "silu_mul")
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=torch.float32)
-    _fn("silu_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows, width // 2)
+    _fn("silu_mul_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows, width // 2,
+                        torch.get_num_threads())
     return out
 
 

@@ -77,12 +77,13 @@ class CpuKernelBackend(TorchBackend):
 class CpuKernelOps(TorchOps):
     """The C row ops, float32 only (the runner picks them for float32 models only). Linears of up
     to SMALL_GEMM_MAX_ROWS rows (decode steps) take the C GEMM, longer ones (prompt chunks) oneDNN
-    over the same row-major weight; linears reordered for oneDNN, and decode rows on CPUs without
-    AVX-512 or AVX2, stay the module's own."""
+    over the same row-major weight where that is the faster library (`prompt_linear_by_onednn`);
+    linears reordered for oneDNN, and decode rows on CPUs without AVX-512 or AVX2, stay the
+    module's own."""
 
     def __init__(self) -> None:
         self._small_gemm = cpu_kernels.small_gemm_available()
-        self._onednn = packed_linear.unavailable(torch.device("cpu"), torch.float32) is None
+        self._onednn = packed_linear.prompt_linear_by_onednn()
 
     def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # A PackedLinear (EngineConfig.linear_weights) has no row-major weight for the C GEMM.
@@ -91,9 +92,7 @@ class CpuKernelOps(TorchOps):
         if x.shape[0] <= cpu_kernels.SMALL_GEMM_MAX_ROWS:
             return cpu_kernels.linear(x, mod.weight, mod.bias) if self._small_gemm else mod(x)
         if self._onednn:
-            # Prompt chunks: oneDNN over the row-major weight rather than torch's default (MKL), which
-            # on AMD CPUs took 15% longer (docs/perf-log.md, S31).
-            return packed_linear.onednn_linear(x, mod.weight, mod.bias)
+            return packed_linear.onednn_linear(x, mod.weight, mod.bias)  # (prompt chunks, where it is faster)
         return mod(x)
 
     def rotate(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

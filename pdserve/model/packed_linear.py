@@ -10,6 +10,8 @@ weights. What it bought, against torch and the C small-batch kernel: docs/perf-l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -32,6 +34,27 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "this CPU has no bfloat16 instructions oneDNN uses"
     return None
+
+
+@functools.cache
+def prompt_linear_by_onednn() -> bool:
+    """Whether a prompt chunk's linear over a row-major weight goes to oneDNN rather than torch's
+    default (MKL): on AMD CPUs MKL took 15% longer (docs/perf-log.md, S31); on Intel CPUs, where
+    MKL runs its own code paths, oneDNN took 1-7% longer (S38)."""
+    if unavailable(torch.device("cpu"), torch.float32) is not None:
+        return False
+    return not (torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel")
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

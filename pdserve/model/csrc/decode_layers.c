@@ -24,7 +24,7 @@ void rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_
 void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin, int64_t tokens,
               int64_t heads, int64_t head_dim);
 void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
-                  int64_t dim);
+                  int64_t dim, int threads);
 void small_gemm_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
                     int64_t out_stride, int64_t m, int64_t n, int64_t k, int threads);
 void write_kv_f32(float *cache, const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
@@ -63,7 +63,7 @@ int decode_layers_f32(const layer_weights *weights, int64_t num_layers, float *r
         small_gemm_f32(attn, q_size, w->wo, NULL, out, hidden, m, hidden, q_size, threads);
         rms_norm_f32(residual, hidden, out, hidden, normed, hidden, w->mlp_norm, m, hidden, eps);
         small_gemm_f32(normed, hidden, w->w_gate_up, NULL, gate_up, gate_up_n, m, gate_up_n, hidden, threads);
-        silu_mul_f32(gate_up, gate_up_n, act, intermediate, m, intermediate);
+        silu_mul_f32(gate_up, gate_up_n, act, intermediate, m, intermediate, threads);
         small_gemm_f32(act, intermediate, w->w_down, NULL, out, hidden, m, hidden, intermediate, threads);
     }
     return 0;

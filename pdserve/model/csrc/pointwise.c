@@ -55,9 +55,15 @@ void rope_f32(float *qkv, int64_t row_stride, const float *cos, const float *sin
  * silu(g) for g past 80 is g or -0, and a term of e^-80 beside at least 1 is nothing. */
 static inline float exp_clamped(float x) { return expf(fminf(fmaxf(x, -80.0f), 80.0f)); }
 
-/* out = silu(gate) * up, where each input row is [gate | up], `dim` floats each. */
+/* Below this many outputs silu_mul runs on the calling thread alone (a decode step's rows); at
+ * prompt sizes one thread took 1.2-1.5x torch's two-threaded silu and mul (docs/perf-log.md, S38). */
+#define SILU_PARALLEL_MIN (1 << 16)
+
+/* out = silu(gate) * up, where each input row is [gate | up], `dim` floats each. Rows are split
+ * over `threads`; each output is the same expression whichever thread computes it. */
 void silu_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride, int64_t rows,
-                  int64_t dim) {
+                  int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows > 1 && rows * dim >= SILU_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * in_stride, *u = g + dim;
         float *o = out + r * out_stride;
