@@ -28,13 +28,23 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _cpu_key() -> str:
+def cpuinfo_lines(*fields: str) -> list[str]:
+    """The lines of /proc/cpuinfo that start with any of `fields` (none where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+            return [line for line in f if line.startswith(fields)]
     except OSError:
-        lines = [platform.processor()]
-    return "".join(lines)
+        return []
+
+
+def cpu_vendor() -> str:
+    """The first CPU's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where it cannot be read)."""
+    lines = cpuinfo_lines("vendor_id")
+    return lines[0].split(":", 1)[1].strip() if lines else ""
+
+
+def _cpu_key() -> str:
+    return "".join(cpuinfo_lines("model name", "flags")[:2] or [platform.processor()])
 
 
 def _compiler() -> str:

@@ -15,6 +15,8 @@ import functools
 import torch
 from torch import nn
 
+from pdserve.native import cpu_vendor
+
 # oneDNN picks the blocked layout for this many rows; the layout serves any row count.
 BATCH_HINT = 16
 # "auto" packs a linear of at least this many weights: below it (the tiny model's 256-wide
@@ -43,18 +45,7 @@ def prompt_linear_by_onednn() -> bool:
     MKL runs its own code paths, oneDNN took 1-7% longer (S38)."""
     if unavailable(torch.device("cpu"), torch.float32) is not None:
         return False
-    return not (torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel")
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return not (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel")
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
