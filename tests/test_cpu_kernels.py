@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from pdserve.model import cpu_kernels
 from pdserve.model.rope import RotaryEmbedding, rotate
-from pdserve.native import build
+from pdserve.native import build, cpuinfo_lines
 
 LAYERS, BLOCK = 3, 16
 
@@ -124,8 +124,7 @@ def test_row_ops_match_torch():
 
 
 def cpu_has(*flags: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    have = next((line.split(":", 1)[1].split() for line in cpuinfo_lines("flags")), [])
     return all(flag in have for flag in flags)
 
 
