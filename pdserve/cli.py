@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_bench()
     try:
         return args.func(args) or 0
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad arguments: a model path that is not there, say
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - typed client errors, one line for the terminal

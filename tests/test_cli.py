@@ -41,6 +41,10 @@ def test_generate_local_bad_input_is_a_clear_error():
     assert out.returncode == 2 and "prompt is empty" in out.stderr
     out = pdserve("generate", "--local", "--prompt", "x", "--top-p", "2")
     assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+    out = pdserve("bench", "engine", "--model", "/nonexistent/model", "--peer", "off")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr == ("pdserve: error: model directory not found: /nonexistent/model "
+                          "(or use the built-in model 'tiny')\n")
 
 
 def test_bench_engine_json_format():
