@@ -6,6 +6,8 @@ import asyncio
 import sys
 import uuid
 
+import torch
+
 from pdserve import logs
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.store_index import RedisIndex
@@ -43,6 +45,10 @@ async def main() -> None:
     cfg = parse_config(KVStoreConfig, "python -m services.kvstore")
     bind_host.require(cfg.te_host)
     pin_cpus(cfg.cpus)
+    # The store's own copies move one block at a time (between tiers, into a staging buffer):
+    # torch's OpenMP team split each and then spun waiting for the next, CPU taken from the
+    # workers and the router on the same host (docs/perf-log.md, S39). One thread: no team.
+    torch.set_num_threads(1)
     profile = hash_profile(cfg)
     block_nbytes = profile.layout.block_nbytes
     device = TierMemory("device", cfg.device_bytes // block_nbytes, block_nbytes)
