@@ -80,6 +80,22 @@ def test_ttft_estimate_and_choices():
     assert (c.worker_id, c.expected_local_tokens, c.expected_store_tokens, c.best_hit_tokens) == ("p3", 0, 0, 900)
 
 
+def test_a_cached_prompt_stays_where_its_cache_is_unless_the_queue_costs_more_than_the_pool_saves():
+    """cache_aware prices a worker by its TTFT estimate plus the compute the pool spends on what
+    it does not hold: a cached worker whose queue makes its TTFT 5 ms longer still gets the
+    prompt (900 tokens it need not compute), and the choice reports the TTFT estimate alone."""
+    coef = Coefficients(prefill_ms_per_token=0.1, fetch_ms_per_token=0.01, request_ms=5.0)
+    cached = PrefillCandidate("p0", queued_tokens=900, local_hit_tokens=900, inflight=1, queued_requests=1)
+    cold = PrefillCandidate("p1", queued_tokens=0, local_hit_tokens=0, inflight=0)
+    assert round(estimate_ttft_ms(cached, 1000, 0, coef)[0], 6) == round(2 * 5 + (900 + 100) * 0.1, 6)  # 110
+    assert round(estimate_ttft_ms(cold, 1000, 0, coef)[0], 6) == round(5 + 1000 * 0.1, 6)  # 105
+    c = Policy("cache_aware").choose_prefill([cold, cached], 1000, 0, coef)
+    assert (c.worker_id, round(c.estimated_ttft_ms, 6), c.expected_local_tokens) == ("p0", 110.0, 900)
+    # A queue that costs more than the 90 ms of compute the hit saves sends it to the cold worker.
+    longer = replace(cached, queued_tokens=1900)  # TTFT 210 + 10 against 105 + 100
+    assert Policy("cache_aware").choose_prefill([cold, longer], 1000, 0, coef).worker_id == "p1"
+
+
 def test_ties_rotate_over_the_pool_so_every_cache_fills():
     """Prompts cached nowhere, on an idle pool, go to the worker chosen longest ago, not always
     the first by id; a prompt with a hit still goes where its hit is."""

@@ -1,10 +1,14 @@
 """Choosing workers: pure logic, no I/O.
 
-Prefill (cache_aware): the lowest estimated TTFT, Mooncake Conductor's rule:
+Prefill (cache_aware): the estimated TTFT, Mooncake Conductor's rule,
     queue_wait(P) + prefill_time(uncached tokens) + fetch_time(tokens its node's store holds beyond
     P's own) + cluster_time(tokens the cluster tier holds beyond those)
-where the queue and the request itself are priced alike, per request (control calls and steps,
-whatever a prompt's length: a queue of short, mostly cached prompts is not free) and per token.
+plus prefill_time(uncached tokens) once more: what computing them costs the pool, whose later
+requests wait behind that work (choosing by TTFT alone, a prompt left its cached worker for a
+slightly shorter queue, and the two-node compare lost 0.4-0.7 points of block hit ratio against
+the best-placed worker: docs/perf-log.md, S39). The queue and the request itself are priced
+alike, per request (control calls and steps, whatever a prompt's length: a queue of short, mostly
+cached prompts is not free) and per token. The SLO is checked against the TTFT estimate alone.
 The coefficients are fitted to what the estimate predicts: each prefill's time from the router
 sending it to its first token arriving back, against the queue it joined and what it computed
 and fetched from its store and from the cluster (least squares over the recent ones), not
@@ -203,7 +207,10 @@ class Policy:
             # Ties (e.g. a prefix cached nowhere, an idle pool) go to the least busy, then to the one
             # chosen longest ago: new prefixes spread over every worker's cache instead of churning
             # the first one's while the others sit empty (SGLang's router balances the same way).
-            (est, local, fetched), c = min(scored, key=lambda s: (s[0][0], -s[0][1], s[1].inflight,
+            def cost(s):  # the TTFT estimate, plus the pool's compute for what is not cached
+                return s[0][0] + (prompt_tokens - s[0][1] - s[0][2]) * coef.prefill_ms_per_token
+
+            (est, local, fetched), c = min(scored, key=lambda s: (cost(s), -s[0][1], s[1].inflight,
                                                                   self._staleness(s[1].worker_id), s[1].worker_id))
         self._last_chosen[c.worker_id] = next(self._turn)
         best = max(s[0][1] + s[0][2] for s in scored)
