@@ -204,12 +204,12 @@ class Policy:
             (est, local, fetched), c = min(scored, key=lambda s: (s[1].queued_tokens + s[1].inflight,
                                                                   self._staleness(s[1].worker_id), s[1].worker_id))
         else:
-            # Ties (e.g. a prefix cached nowhere, an idle pool) go to the least busy, then to the one
-            # chosen longest ago: new prefixes spread over every worker's cache instead of churning
-            # the first one's while the others sit empty (SGLang's router balances the same way).
             def cost(s):  # the TTFT estimate, plus the pool's compute for what is not cached
                 return s[0][0] + (prompt_tokens - s[0][1] - s[0][2]) * coef.prefill_ms_per_token
 
+            # Ties (e.g. a prefix cached nowhere, an idle pool) go to the least busy, then to the one
+            # chosen longest ago: new prefixes spread over every worker's cache instead of churning
+            # the first one's while the others sit empty (SGLang's router balances the same way).
             (est, local, fetched), c = min(scored, key=lambda s: (cost(s), -s[0][1], s[1].inflight,
                                                                   self._staleness(s[1].worker_id), s[1].worker_id))
         self._last_chosen[c.worker_id] = next(self._turn)
