@@ -132,6 +132,16 @@ def _error(e: grpc.RpcError) -> errors.PdserveError:
     return err
 
 
+# gRPC metadata on a generate call: the timeout the client set, in ms. The router subtracts what is
+# left of the call's deadline when its handler starts, to learn how long the call waited in its
+# server's queue before that (its TTFT SLO counts the wait).
+TIMEOUT_KEY = "pdserve-timeout-ms"
+
+
+def _generate_options(timeout_s: float, metadata: tuple[tuple[str, str], ...]) -> dict:
+    return {"timeout": timeout_s, "metadata": (*metadata, (TIMEOUT_KEY, f"{timeout_s * 1e3:.0f}"))}
+
+
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     key = os.environ.get(ENV_API_KEY, "") if api_key is None else api_key
     return (("authorization", f"Bearer {key}"),) if key else ()
@@ -165,7 +175,7 @@ class Client:
                  **sampling) -> Result:
         try:
             resp = self._stub.GenerateUnary(_request("Client.generate", prompt, request_id, sampling),
-                                            timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                                            **_generate_options(timeout_s or self.timeout_s, self._metadata))
         except grpc.RpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -180,7 +190,7 @@ class Client:
                           **sampling) -> Iterator[TokenEvent | Result]:
         """Token events as they come, then the `Result` (usage, timings, route)."""
         call = self._stub.Generate(_request("Client.stream", prompt, request_id, sampling),
-                                   timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                                   **_generate_options(timeout_s or self.timeout_s, self._metadata))
         tokens: list[TokenEvent] = []
         try:
             for msg in call:
@@ -225,7 +235,7 @@ class AsyncClient:
                        **sampling) -> Result:
         try:
             resp = await self._stub.GenerateUnary(_request("AsyncClient.generate", prompt, request_id, sampling),
-                                                  timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                                                  **_generate_options(timeout_s or self.timeout_s, self._metadata))
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -239,7 +249,7 @@ class AsyncClient:
     async def generate_streamed(self, prompt: str | list[int], request_id: str = "",
                                 timeout_s: float | None = None, **sampling) -> AsyncIterator[TokenEvent | Result]:
         call = self._stub.Generate(_request("AsyncClient.stream", prompt, request_id, sampling),
-                                   timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+                                   **_generate_options(timeout_s or self.timeout_s, self._metadata))
         tokens: list[TokenEvent] = []
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:

@@ -74,7 +74,7 @@ def test_percentiles_attainment_and_goodput_on_known_inputs():
            for m, ms in zip(said, (1.0, 800.0, 2.0, 2000.0), strict=True)]
     s = summarize(why + failed[2:], wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
     assert {k: (v["n"], v["p50_ms"]) for k, v in s["refusals_by_reason"].items()} == {
-        "over_slo": (1, 1.0), "over_slo_after_queueing": (1, 800.0), "queue_full": (1, 2.0),
+        "over_slo": (1, 1.0), "over_slo_after_waiting": (1, 800.0), "queue_full": (1, 2.0),
         "queue_timeout": (1, 2000.0)}
 
 

@@ -100,7 +100,7 @@ def goodput(attained_by_rate: dict[float, float], threshold: float = 0.9) -> flo
 
 
 REFUSAL_REASONS = (  # (what the router's or a worker's message says, the reason reported)
-    ("waiting for decode room exceeds the SLO", "over_slo_after_queueing"),
+    ("waiting to be admitted exceeds the SLO", "over_slo_after_waiting"),
     ("exceeds the SLO", "over_slo"),
     ("already queued for room", "queue_full"),
     ("queued for room it would wait", "expected_wait"),

@@ -23,7 +23,7 @@ class RouterConfig:
     key_prefix: str = field("pdserve", "prefix of every Redis key")
     policy: str = field("cache_aware", "prefill choice: cache_aware | round_robin | least_loaded")
     colocate_below_tokens: int = field(0, "uncached prompt tokens under which decode prefills itself (0: never)")
-    ttft_slo_ms: float = field(0.0, "refuse when the TTFT estimate plus a wait for decode room exceeds it (0: no SLO)")
+    ttft_slo_ms: float = field(0.0, "refuse when the TTFT estimate plus the wait so far exceeds it (0: no SLO)")
     max_tokens_cap: int = field(4096, "largest max_tokens a request may ask for")
     max_prompt_tokens: int = field(0, "largest prompt (0: the model's context length)")
     max_prompt_bytes: int = field(16 << 20, "largest prompt text in bytes")

@@ -15,6 +15,7 @@ HELP = {
     "route_lookup_ms": "the prefix look-up's round trip to Redis, part of route_ms",
     "loop_lag_ms": "how late the router's event loop woke a 20 ms sleep (what every handler waits)",
     "refusal_ms": "from a request's arrival in the router to its refusal (RESOURCE_EXHAUSTED)",
+    "before_handler_ms": "how long a call waited in gRPC's queue before the router's handler took it",
 }
 
 

@@ -178,7 +178,7 @@ def over_slo(estimate_ms: float, waited_ms: float, slo_ms: float) -> str:
     over = waited_ms + estimate_ms - slo_ms
     if not slo_ms or over <= 0:
         return ""
-    waited = f" after {waited_ms:.0f} ms waiting for decode room" if waited_ms >= 1 else ""
+    waited = f" after {waited_ms:.0f} ms waiting to be admitted" if waited_ms >= 1 else ""
     return f"estimated TTFT {estimate_ms:.0f} ms{waited} exceeds the SLO {slo_ms:.0f} ms; retry in about {over:.0f} ms"
 
 

@@ -128,10 +128,11 @@ class Router:
                      choice.best_hit_tokens, need, choice.queue)
 
     async def admitted_route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
-                             exclude: set[str], deadline: float) -> Route:
+                             exclude: set[str], deadline: float, waited_ms: float = 0.0) -> Route:
+        """`waited_ms`: how long the request had waited before (the TTFT SLO counts it)."""
         t0 = time.perf_counter()
         return await self.admission.admit(
-            lambda: self.route(ids, hashes, params, exclude, (time.perf_counter() - t0) * 1e3), deadline)
+            lambda: self.route(ids, hashes, params, exclude, waited_ms + (time.perf_counter() - t0) * 1e3), deadline)
 
     def index_source(self) -> str:
         """Where the next look-up reads the prefix index: "mirror", "redis", or "" (not read)."""
@@ -156,18 +157,20 @@ class Router:
     # -- one request -----------------------------------------------------------------------
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        client_deadline_s: float | None = None,
-                       stop: tuple[str, ...] = ()) -> AsyncIterator[TokenOut | Summary]:
+                       stop: tuple[str, ...] = (), waited_ms: float = 0.0) -> AsyncIterator[TokenOut | Summary]:
         """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none).
+        `waited_ms`: how long the call waited before it reached this method (its TTFT SLO counts it).
         `stop`: strings that end the request (finish STOP), never part of its text."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
         self.active.add(request_id)
         summary, status, t0 = None, "OK", time.perf_counter()
+        self.metrics.observe("before_handler_ms", waited_ms)
         try:
             async for item in self._generate(request_id, ids, params,
                                              self.cfg.deadline_s(len(ids), params.max_tokens, client_deadline_s),
-                                             StopStrings(stop) if stop else None):
+                                             StopStrings(stop) if stop else None, waited_ms):
                 if isinstance(item, Summary):
                     summary = item
                 yield item
@@ -184,7 +187,7 @@ class Router:
             log_request(log, request_id, len(ids), summary, status)
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams, timeout_s: float,
-                        stops: StopStrings | None) -> AsyncIterator[TokenOut | Summary]:
+                        stops: StopStrings | None, waited_ms: float) -> AsyncIterator[TokenOut | Summary]:
         """Route and dispatch, hiding what can be hidden from the client:
         - a prefill that fails before the first token reached it is tried again on another
           prefill worker with a fresh handoff (`prefill_retries` times);
@@ -207,7 +210,8 @@ class Router:
             with tracer.start_as_current_span("route", attributes={"request_id": request_id,
                                                                    "prompt_tokens": len(prompt)}) as span:
                 t_admit = time.perf_counter()
-                route = await self.admitted_route(prompt, block_hashes(prompt, self.profile), left, failed, deadline)
+                route = await self.admitted_route(prompt, block_hashes(prompt, self.profile), left, failed, deadline,
+                                                  waited_ms if attempt == 0 else 0.0)
                 queued_ms += (time.perf_counter() - t_admit) * 1e3 - route.route_ms
                 span.set_attribute("prefill", route.prefill.address if route.prefill else "")
                 span.set_attribute("decode", route.decode.address)

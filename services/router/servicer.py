@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+import math
+
 from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.rpc.convert import sampling_from_pb
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.route_types import Summary, TokenOut
 from services.router.router import Router
+
+TIMEOUT_KEY = "pdserve-timeout-ms"  # gRPC metadata: the timeout the client set, in ms (the SDK sends it)
+
+
+def waited_before_handler_ms(context) -> float:
+    """How long the call waited between reaching this server and its handler starting: the
+    timeout the client says it set less what is left of the call's deadline (gRPC starts that
+    deadline when the call arrives). Calls wait there, in gRPC's queue of calls the server has not
+    yet taken, while the event loop is busy: seconds under overload (docs/perf-log.md, S40).
+    0 when the client does not say."""
+    remaining = context.time_remaining()
+    for key, value in context.invocation_metadata() or ():
+        if key == TIMEOUT_KEY and remaining is not None:
+            try:
+                sent_ms = float(value)
+            except ValueError:
+                sent_ms = math.nan
+            if not math.isfinite(sent_ms) or sent_ms < 0:
+                raise InvalidArgument(f"metadata {TIMEOUT_KEY!r} must be the call's timeout in ms, not {value!r}")
+            return max(0.0, sent_ms - remaining * 1e3)
+    return 0.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -32,7 +55,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         ids, params = await self._request(request)
-        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining()):
+        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining(),
+                                               waited_ms=waited_before_handler_ms(context)):
             if isinstance(item, TokenOut):
                 yield router_pb2.GenerateResponse(token=_token_pb(item))
             else:
@@ -41,7 +65,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GenerateUnary(self, request, context):
         ids, params = await self._request(request)
         tokens, summary = [], None
-        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining()):
+        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining(),
+                                               waited_ms=waited_before_handler_ms(context)):
             if isinstance(item, TokenOut):
                 tokens.append(_token_pb(item))
             else:

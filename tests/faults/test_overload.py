@@ -73,3 +73,50 @@ def test_a_burst_is_served_exactly_or_refused_fast(shared_redis_url, tiny):
         assert asyncio.run(again()).token_ids == want[0].token_ids
     finally:
         s.stop()
+
+
+def test_the_ttft_slo_counts_the_wait_before_the_router_took_the_call(shared_redis_url, tiny):
+    """The SDK says the timeout it set; what is left of it when the router's handler starts says
+    how long the call waited in gRPC's queue before (seconds under overload: docs/perf-log.md,
+    S40). The SLO counts that wait: a call that says it set a timeout 5 s longer than gRPC carried
+    waited 5 s as far as the router can tell, and is refused at once, the wait in the message; the
+    SDK's own calls (no wait here) are served exactly; a timeout that is not a number is refused."""
+    import grpc
+
+    from pdserve.client import TIMEOUT_KEY, Client, _metadata, _request
+    from pdserve.v1 import router_pb2_grpc
+
+    s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(1, 1)
+    try:
+        s.start_router("--ttft-slo-ms", "1000")
+        s.wait_pool(2)
+        prompt = [(i * 13 + 7) % 256 for i in range(48)]
+        want = LLMEngine(tiny, EngineConfig(num_blocks=256)).generate(
+            [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        with Client(s.router.address) as c:
+            assert c.generate(prompt, max_tokens=8, ignore_eos=True, timeout_s=30).token_ids == want
+
+        request = _request("test", prompt, "", {"max_tokens": 8, "ignore_eos": True})
+        with grpc.insecure_channel(s.router.address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+
+            def call(says: str) -> tuple[grpc.RpcError, float]:
+                t0 = time.perf_counter()
+                try:
+                    stub.GenerateUnary(request, timeout=30, metadata=(*_metadata(None), (TIMEOUT_KEY, says)))
+                except grpc.RpcError as e:
+                    return e, time.perf_counter() - t0
+                raise AssertionError("served")
+
+            refused, took = call("35000")
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 1.0
+            waited = float(refused.details().split(" after ")[1].split(" ms waiting to be admitted")[0])
+            assert 4900 <= waited <= 5000 + took * 1e3, refused.details()
+            assert "exceeds the SLO 1000 ms; retry in about" in refused.details()
+            for says in ("soon", "nan", "-5"):
+                bad, _ = call(says)
+                assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and TIMEOUT_KEY in bad.details(), says
+        with Client(s.router.address) as c:  # and the router serves on
+            assert c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids == want
+    finally:
+        s.stop()
