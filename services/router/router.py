@@ -157,20 +157,23 @@ class Router:
     # -- one request -----------------------------------------------------------------------
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        client_deadline_s: float | None = None,
-                       stop: tuple[str, ...] = (), waited_ms: float = 0.0) -> AsyncIterator[TokenOut | Summary]:
+                       stop: tuple[str, ...] = (), waited_ms: float | None = None
+                       ) -> AsyncIterator[TokenOut | Summary]:
         """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none).
-        `waited_ms`: how long the call waited before it reached this method (its TTFT SLO counts it).
+        `waited_ms`: how long the call waited before it reached this method (its TTFT SLO counts it;
+        None: not known).
         `stop`: strings that end the request (finish STOP), never part of its text."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
         self.active.add(request_id)
         summary, status, t0 = None, "OK", time.perf_counter()
-        self.metrics.observe("before_handler_ms", waited_ms)
+        if waited_ms is not None:
+            self.metrics.observe("before_handler_ms", waited_ms)
         try:
             async for item in self._generate(request_id, ids, params,
                                              self.cfg.deadline_s(len(ids), params.max_tokens, client_deadline_s),
-                                             StopStrings(stop) if stop else None, waited_ms):
+                                             StopStrings(stop) if stop else None, waited_ms or 0.0):
                 if isinstance(item, Summary):
                     summary = item
                 yield item

@@ -14,12 +14,12 @@ from services.router.router import Router
 TIMEOUT_KEY = "pdserve-timeout-ms"  # gRPC metadata: the timeout the client set, in ms (the SDK sends it)
 
 
-def waited_before_handler_ms(context) -> float:
+def waited_before_handler_ms(context) -> float | None:
     """How long the call waited between reaching this server and its handler starting: the
     timeout the client says it set less what is left of the call's deadline (gRPC starts that
     deadline when the call arrives). Calls wait there, in gRPC's queue of calls the server has not
     yet taken, while the event loop is busy: seconds under overload (docs/perf-log.md, S40).
-    0 when the client does not say."""
+    None when the client does not say."""
     remaining = context.time_remaining()
     for key, value in context.invocation_metadata() or ():
         if key == TIMEOUT_KEY and remaining is not None:
@@ -30,7 +30,7 @@ def waited_before_handler_ms(context) -> float:
             if not math.isfinite(sent_ms) or sent_ms < 0:
                 raise InvalidArgument(f"metadata {TIMEOUT_KEY!r} must be the call's timeout in ms, not {value!r}")
             return max(0.0, sent_ms - remaining * 1e3)
-    return 0.0
+    return None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

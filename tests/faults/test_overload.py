@@ -81,14 +81,18 @@ def test_the_ttft_slo_counts_the_wait_before_the_router_took_the_call(shared_red
     S40). The SLO counts that wait: a call that says it set a timeout 5 s longer than gRPC carried
     waited 5 s as far as the router can tell, and is refused at once, the wait in the message; the
     SDK's own calls (no wait here) are served exactly; a timeout that is not a number is refused."""
+    import urllib.request
+
     import grpc
 
     from pdserve.client import TIMEOUT_KEY, Client, _metadata, _request
+    from pdserve.runtime.launch import free_port
     from pdserve.v1 import router_pb2_grpc
 
     s = Stack(shared_redis_url, f"pdtest-{uuid.uuid4().hex[:8]}").start(1, 1)
     try:
-        s.start_router("--ttft-slo-ms", "1000")
+        metrics_port = free_port()
+        s.start_router("--ttft-slo-ms", "1000", "--metrics-port", str(metrics_port))
         s.wait_pool(2)
         prompt = [(i * 13 + 7) % 256 for i in range(48)]
         want = LLMEngine(tiny, EngineConfig(num_blocks=256)).generate(
@@ -118,5 +122,10 @@ def test_the_ttft_slo_counts_the_wait_before_the_router_took_the_call(shared_red
                 assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and TIMEOUT_KEY in bad.details(), says
         with Client(s.router.address) as c:  # and the router serves on
             assert c.generate(prompt, max_tokens=8, ignore_eos=True).token_ids == want
+        # Its histogram holds the three calls that said their timeout and parsed: two near 0, one 5 s.
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        seen = dict(line.rsplit(" ", 1) for line in body.splitlines() if line.startswith("pdserve_router_before_"))
+        assert float(seen["pdserve_router_before_handler_ms_count"]) == 3
+        assert 4900 <= float(seen["pdserve_router_before_handler_ms_sum"]) <= 5000 + 2 * 1e3, seen
     finally:
         s.stop()
