@@ -53,20 +53,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidArgument(str(e)) from e
         return ids, self.router.limits.sampling(params, len(ids))
 
-    async def Generate(self, request, context):
+    async def _generate(self, request, context):
+        waited_ms = waited_before_handler_ms(context)  # first: what follows is the handler's own time
         ids, params = await self._request(request)
         async for item in self.router.generate(request.request_id, ids, params, context.time_remaining(),
-                                               waited_ms=waited_before_handler_ms(context)):
+                                               waited_ms=waited_ms):
+            yield item
+
+    async def Generate(self, request, context):
+        async for item in self._generate(request, context):
             if isinstance(item, TokenOut):
                 yield router_pb2.GenerateResponse(token=_token_pb(item))
             else:
                 yield router_pb2.GenerateResponse(summary=_summary_pb(item))
 
     async def GenerateUnary(self, request, context):
-        ids, params = await self._request(request)
         tokens, summary = [], None
-        async for item in self.router.generate(request.request_id, ids, params, context.time_remaining(),
-                                               waited_ms=waited_before_handler_ms(context)):
+        async for item in self._generate(request, context):
             if isinstance(item, TokenOut):
                 tokens.append(_token_pb(item))
             else:
