@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import uuid
@@ -204,3 +205,21 @@ def test_compare_on_two_store_nodes_runs_both_and_reports_against_the_pooled_bou
     (target,) = [t for t in doc["targets"] if t["name"] == "shared_cluster_hit_vs_pooled_bound_2_nodes"]
     assert target["value"] == pytest.approx(runs[1]["block_hit_ratio"] / doc["pooled_bound"], abs=1e-4)
     assert "2 nodes, shared | cache_aware | 12/12" in (tmp_path / "compare.md").read_text()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a router CPU of its own needs two CPUs")
+def test_compare_can_give_the_router_and_the_load_generator_a_cpu_of_their_own(tmp_path):
+    """--router-cpus: the router and the client on those CPUs, the store and the workers on the
+    rest (read from the running processes); every request served."""
+    mine = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "compare", "--workload", "shared-prefix",
+                          "--engine", "mock", "--prefill", "1", "--decode", "1", "--modes", "disagg",
+                          "--policies", "cache_aware", "--max-requests", "6", "--max-output", "4",
+                          "--prefix-tokens", "256", "--router-cpus", str(mine[0]), "--out", str(tmp_path), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = json.loads(out.stdout)["runs"]
+    assert (run["summary"]["ok"], run["summary"]["requests"]) == (6, 6)
+    assert run["cpus"] == {"kvstore-0": mine[1:], "prefill-0": mine[1:], "decode-0": mine[1:], "router": mine[:1],
+                           "client": mine[:1]}
+    assert sorted(os.sched_getaffinity(0)) == mine  # (the test's own process is untouched)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from pdserve.bench.deploy import Deployment, DeploySpec
@@ -62,8 +63,10 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
         for k, rate in enumerate(rates or [args.rate]):
             load = with_poisson_arrivals(fresh(reqs, k), rate) if rate else reqs
             client_lag: list[float] = []
-            records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
-                                                 not args.json, client_lag))
+            with dep.pin_client():
+                cpus = {**dep.cpus(), "client": sorted(os.sched_getaffinity(0))}
+                records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
+                                                     not args.json, client_lag))
             if rate and rates:
                 sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
         samples = dep.router_metrics()
@@ -84,7 +87,7 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
             "hit_breakdown": hit_breakdown(records, spec.block_size),
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
             "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None,
-            "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores,
+            "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores, "cpus": cpus,
             "ttft_coefficients": {k.removeprefix("router_ttft_"): v for k, v in gauges.items()
                                   if k.startswith("router_ttft_")}}
 
@@ -172,7 +175,7 @@ def _spec(args, mode: str, policy: str, **over) -> DeploySpec:
     over = {"store_cache_tokens": args.store_cache_tokens, **over}
     return DeploySpec(mode=mode, policy=policy, engine=args.engine, prefill=args.prefill, decode=args.decode,
                       worker_cache_tokens=args.worker_cache_tokens, decode_kv_tokens=args.decode_kv_tokens,
-                      threads=args.threads, pin=args.pin,
+                      threads=args.threads, pin=args.pin, router_cpus=args.router_cpus,
                       extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
                                           if mode == "disagg" else ()) + (
                           ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()),
@@ -251,6 +254,9 @@ def add_parser(sub) -> None:
                    help="disagg: prompts with fewer uncached tokens prefill on decode (conditional disaggregation)")
     p.add_argument("--pin", action="store_true",
                    help="workers on CPUs of their own: disagg, P pool and D pool apart; colocated, one CPU each")
+    p.add_argument("--router-cpus", default="",
+                   help="the router and the load generator on these CPUs of their own (e.g. '0'), the store and "
+                        "workers on the rest: the router as a front door on a host of its own")
     p.add_argument("--router-ttft-slo-ms", type=float, default=0.0,
                    help="the router refuses at once what its TTFT estimate says would take longer (0: never)")
     p.add_argument("--store-nodes", type=int, default=1,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.runtime.launch import MooncakeMaster, RedisServer, ServiceProcess, free_port, redis_reachable
+from pdserve.runtime.service import parse_cpus, pin_cpus, set_affinity
 from services.kvstore.cluster import segment_bytes_holding
 
 
@@ -28,6 +31,10 @@ class DeploySpec:
     # and decode pools in proportion to their sizes (one each on a two-CPU machine); colocated,
     # worker i on CPU i (mod the count). The store, the router and the client are not pinned.
     pin: bool = False
+    # The router on these CPUs of its own (taskset-style), as a front door on a host of its own:
+    # the store and the workers run on the others (split as `pin` says when it is set), and the
+    # bench's load generator joins the router (Deployment.pin_client).
+    router_cpus: str = ""
     extra_router_flags: tuple[str, ...] = ()
     extra_worker_flags: tuple[str, ...] = ()
     # Store nodes (node-0 ...), store_cache_tokens split evenly over them; workers spread over them
@@ -78,6 +85,10 @@ class Deployment:
 
     def _start(self) -> None:
         s = self.spec
+        rest = sorted(os.sched_getaffinity(0) - parse_cpus(s.router_cpus))
+        if s.router_cpus and not rest:
+            raise ValueError(f"router_cpus {s.router_cpus!r} leaves no CPU for the store and the workers")
+        elsewhere = ("--cpus", ",".join(map(str, rest))) if s.router_cpus else ()
         common = ["--model", "tiny", "--block-size", str(s.block_size), "--redis-url", self.redis_url,
                   "--key-prefix", self.key_prefix, "--engine", s.engine]
         cluster: list[str] = []
@@ -90,7 +101,7 @@ class Deployment:
         device = store_blocks // 4
         stores = [self._add(ServiceProcess(
             "services.kvstore", *common, "--device-bytes", str(device * s.block_nbytes),
-            "--dram-bytes", str((store_blocks - device) * s.block_nbytes), *cluster,
+            "--dram-bytes", str((store_blocks - device) * s.block_nbytes), *cluster, *elsewhere,
             *(("--node", f"node-{n}") if s.store_nodes > 1 else ()), name=f"kvstore-{n}"))
             for n in range(s.store_nodes)]
         for store in stores:
@@ -102,10 +113,11 @@ class Deployment:
             roles = [("prefill", s.prefill, cache), ("decode", s.decode, str(s.decode_kv_tokens // s.block_size))]
         else:
             roles = [("decode", s.prefill + s.decode, cache)]
-        placed = worker_cpus(s.mode, s.prefill, s.decode, sorted(os.sched_getaffinity(0))) if s.pin else {}
+        placed = worker_cpus(s.mode, s.prefill, s.decode, rest) if s.pin else {}
         workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages,
                                             "--store", stores[i % len(stores)].address,
-                                            *(("--cpus", placed[role, i]) if placed else ()), name=f"{role}-{i}"))
+                                            *(("--cpus", placed[role, i]) if placed else elsewhere),
+                                            name=f"{role}-{i}"))
                    for role, n, pages in roles for i in range(n)]
         for w in workers:
             w.spawn()
@@ -116,6 +128,8 @@ class Deployment:
                   str(self.metrics_port), *s.extra_router_flags]
         if s.mode == "colocated":
             router += ["--colocate-below-tokens", str(1 << 30)]
+        if s.router_cpus:
+            router += ["--cpus", s.router_cpus]
         self.router = self._add(ServiceProcess("services.router", *common, *router))
         self.router.start()
         self._wait_pool(len(workers))
@@ -184,6 +198,25 @@ class Deployment:
             return [await one(a) for a in self.stores]
 
         return asyncio.run(every())
+
+    def cpus(self) -> dict[str, list[int]]:
+        """The CPUs each service runs on (its main thread's), by name."""
+        return {p.name: sorted(os.sched_getaffinity(p.proc.pid)) for p in self.procs
+                if p.proc is not None and p.proc.poll() is None}
+
+    @contextlib.contextmanager
+    def pin_client(self) -> Iterator[None]:
+        """This process (the load generator: every thread) on the router's CPUs meanwhile, when it
+        has its own, so that neither waits for a CPU behind the store and the workers."""
+        if not self.spec.router_cpus:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        pin_cpus(self.spec.router_cpus)
+        try:
+            yield
+        finally:
+            set_affinity(before)
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -55,13 +55,18 @@ def pin_cpus(spec: str) -> set[int] | None:
     if not cpus <= allowed:
         raise ValueError(f"cpus {sorted(cpus - allowed)} are not available to this process "
                          f"(it may run on {sorted(allowed)})")
+    set_affinity(cpus)
+    return cpus
+
+
+def set_affinity(cpus: set[int]) -> None:
+    """Every thread of this process, and every thread it starts later, on `cpus`."""
     for tid in os.listdir("/proc/self/task"):  # threads already started (e.g. the tracing exporter)
         try:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that ended meanwhile
     os.sched_setaffinity(0, cpus)
-    return cpus
 
 
 def write_port_file(path: str, port: int) -> None:
