@@ -107,6 +107,13 @@ def _event(t: common_pb2.TokenEvent) -> TokenEvent:
     return TokenEvent(t.token_id, t.text, t.logprob, t.index, _FINISH.get(t.finish_reason))
 
 
+def _events(msg: router_pb2.GenerateResponse) -> list[TokenEvent]:
+    """A stream message's tokens: one, or several when the router streams every N."""
+    if msg.HasField("token"):
+        return [_event(msg.token)]
+    return [_event(t) for t in msg.tokens.events]
+
+
 def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
     u, t, r = s.usage, s.timings, s.route
     return Result(
@@ -194,11 +201,11 @@ class Client:
         tokens: list[TokenEvent] = []
         try:
             for msg in call:
-                if msg.HasField("token"):
-                    tokens.append(_event(msg.token))
-                    yield tokens[-1]
-                else:
+                if msg.HasField("summary"):
                     yield _result(tokens, msg.summary)
+                for event in _events(msg):
+                    tokens.append(event)
+                    yield event
         except grpc.RpcError as e:
             raise _error(e) from None
         finally:
@@ -253,11 +260,11 @@ class AsyncClient:
         tokens: list[TokenEvent] = []
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:
-                if msg.HasField("token"):
-                    tokens.append(_event(msg.token))
-                    yield tokens[-1]
-                else:
+                if msg.HasField("summary"):
                     yield _result(tokens, msg.summary)
+                for event in _events(msg):
+                    tokens.append(event)
+                    yield event
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         finally:

@@ -112,6 +112,44 @@ def test_a_new_router_routes_by_the_mirrored_index_as_by_redis(stack):
             r.router.stop()
 
 
+def test_stream_interval_sends_tokens_n_to_a_message(stack, engine):
+    """--stream-interval 4: the first token alone, then four to a message, the rest with the
+    finish; the SDK hands out the same tokens, one at a time, as from a router streaming each."""
+    import grpc
+
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+    from tests.support.credentials import API_KEY, bearer
+
+    prompt = ids(90, 21)
+    want = expected(engine, prompt, max_tokens=10)
+    batched = Stack(stack.redis_url, stack.key_prefix, store=stack.store)
+    batched.start_router("--stream-interval", "4")
+    try:
+        batched.wait_pool(3)
+        with grpc.insecure_channel(batched.router.address) as ch:
+            request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
+                                                 sampling=common_pb2.SamplingParams(max_tokens=10, ignore_eos=True))
+            messages = list(router_pb2_grpc.RouterStub(ch).Generate(request, metadata=bearer(API_KEY), timeout=60))
+        shape = [[e.index for e in (m.tokens.events if m.HasField("tokens") else [m.token])]
+                 for m in messages[:-1]]
+        assert shape == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]] and messages[-1].HasField("summary")
+        assert [e.token_id for m in messages[1:3] for e in m.tokens.events] == want[1:9]
+        with Client(batched.router.address) as c:
+            streamed = list(c.stream(prompt, max_tokens=10, ignore_eos=True))
+            result = c.generate(prompt, max_tokens=10, ignore_eos=True)
+
+        async def with_async():
+            async with AsyncClient(batched.router.address) as c:
+                return [e async for e in c.generate_streamed(prompt, max_tokens=10, ignore_eos=True)]
+
+        items = run(with_async())
+        assert [e.token_id for e in streamed] == result.token_ids == want
+        assert [e.index for e in streamed] == list(range(10)) and streamed[-1].finish_reason == "length"
+        assert [e.token_id for e in items[:-1]] == want and items[-1].token_ids == want
+    finally:
+        batched.router.stop()
+
+
 async def _worker_ids(stack):
     r = connect(stack.redis_url, 2.0)
     keys = RedisKeys.for_url(stack.redis_url, stack.key_prefix)

@@ -178,7 +178,8 @@ def _spec(args, mode: str, policy: str, **over) -> DeploySpec:
                       threads=args.threads, pin=args.pin, router_cpus=args.router_cpus,
                       extra_router_flags=(("--colocate-below-tokens", str(args.colocate_below_tokens))
                                           if mode == "disagg" else ()) + (
-                          ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()),
+                          ("--ttft-slo-ms", str(args.router_ttft_slo_ms)) if args.router_ttft_slo_ms else ()) + (
+                          ("--stream-interval", str(args.stream_interval)) if args.stream_interval > 1 else ()),
                       extra_worker_flags=("--offload-blocks", str(args.offload_blocks)), **over)
 
 
@@ -257,6 +258,8 @@ def add_parser(sub) -> None:
     p.add_argument("--router-cpus", default="",
                    help="the router and the load generator on these CPUs of their own (e.g. '0'), the store and "
                         "workers on the rest: the router as a front door on a host of its own")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the router streams tokens N to a message (the first at once)")
     p.add_argument("--router-ttft-slo-ms", type=float, default=0.0,
                    help="the router refuses at once what its TTFT estimate says would take longer (0: never)")
     p.add_argument("--store-nodes", type=int, default=1,

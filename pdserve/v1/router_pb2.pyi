@@ -58,12 +58,20 @@ class GenerateSummary(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., route: _Optional[_Union[RouteDecision, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token", "summary")
+    __slots__ = ("token", "summary", "tokens")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.TokenEvent
     summary: GenerateSummary
-    def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
+    tokens: TokenEvents
+    def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvents, _Mapping]] = ...) -> None: ...
+
+class TokenEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.TokenEvent, _Mapping]]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("text", "tokens", "summary")

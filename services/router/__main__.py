@@ -47,7 +47,7 @@ async def main() -> None:
                          keys) if cfg.index_mirror else None
     router = Router(cfg, model.tokenizer, profile, model.config.max_position_embeddings, model.config.vocab_size,
                     redis, pool, metrics, mirror)
-    servicer = RouterServicer(router, lambda: status(router, cfg.store))
+    servicer = RouterServicer(router, lambda: status(router, cfg.store), cfg.stream_interval)
 
     def register(server) -> list[str]:
         router_pb2_grpc.add_RouterServicer_to_server(servicer, server)

@@ -45,6 +45,8 @@ class RouterConfig:
     served_model_name: str = field("", "the model's name in the HTTP API (default: --model as given)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")
+    stream_interval: int = field(1, "gRPC streams: send tokens N at a time (the first at once, the last when the "
+                                    "request ends): fewer messages, and fewer system calls, a token")
     cpus: str = field("", "CPU ids the router runs on, taskset-style, e.g. '1' or '0-3' (default: all)")
 
     def __post_init__(self) -> None:
@@ -54,6 +56,8 @@ class RouterConfig:
             raise ValueError("request timeouts must not be negative")
         if self.max_tokens_cap <= 0:
             raise ValueError("max_tokens_cap must be positive")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         parse_cpus(self.cpus)
 
     def deadline_s(self, prompt_tokens: int, max_tokens: int, client_s: float | None) -> float:

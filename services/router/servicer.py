@@ -34,9 +34,10 @@ def waited_before_handler_ms(context) -> float | None:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, status):
+    def __init__(self, router: Router, status, stream_interval: int = 1):
         self.router = router
         self.status = status
+        self.stream_interval = stream_interval  # tokens a Generate message carries (the first goes alone)
 
     async def _request(self, request):
         logs.bind_request_id(request.request_id)
@@ -61,11 +62,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield item
 
     async def Generate(self, request, context):
-        async for item in self._generate(request, context):
-            if isinstance(item, TokenOut):
-                yield router_pb2.GenerateResponse(token=_token_pb(item))
-            else:
-                yield router_pb2.GenerateResponse(summary=_summary_pb(item))
+        """Tokens as they come, `stream_interval` to a message: every message (each its own
+        system call on the connection) costs the router more than the token it carries. The
+        first token goes at once (time to first token), the last when the request ends."""
+        held: list[common_pb2.TokenEvent] = []
+        try:
+            async for item in self._generate(request, context):
+                if isinstance(item, TokenOut):
+                    held.append(_token_pb(item))
+                    if len(held) >= self.stream_interval or item.index == 0 or item.finish_reason:
+                        yield _tokens_pb(held)
+                        held = []
+                else:
+                    yield router_pb2.GenerateResponse(summary=_summary_pb(item))
+        except Exception:
+            if held:  # the client has every token it would have had one at a time, then the error
+                yield _tokens_pb(held)
+            raise
 
     async def GenerateUnary(self, request, context):
         tokens, summary = [], None
@@ -83,6 +96,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def _token_pb(t: TokenOut) -> common_pb2.TokenEvent:
     return common_pb2.TokenEvent(token_id=t.token_id, text=t.text, logprob=t.logprob, index=t.index,
                                  finish_reason=t.finish_reason)
+
+
+def _tokens_pb(events: list[common_pb2.TokenEvent]) -> router_pb2.GenerateResponse:
+    if len(events) == 1:
+        return router_pb2.GenerateResponse(token=events[0])
+    return router_pb2.GenerateResponse(tokens=router_pb2.TokenEvents(events=events))
 
 
 def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
