@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from pdserve import errors
+from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -109,9 +110,7 @@ def _event(t: common_pb2.TokenEvent) -> TokenEvent:
 
 def _events(msg: router_pb2.GenerateResponse) -> list[TokenEvent]:
     """A stream message's tokens: one, or several when the router streams every N."""
-    if msg.HasField("token"):
-        return [_event(msg.token)]
-    return [_event(t) for t in msg.tokens.events]
+    return [_event(t) for t in events_of(msg)]
 
 
 def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:

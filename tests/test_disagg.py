@@ -13,6 +13,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
 from tests.support.stack import Stack, load, run, store_stats, stubs
@@ -219,6 +220,7 @@ def test_bad_input_at_each_rpc(stack):
     assert code == INVALID and "outside the vocabulary" in msg
     code, msg = _code(decode(mode=decode_pb2.DECODE_MODE_UNSPECIFIED))
     assert code == INVALID and "mode is required" in msg
+    assert _code(decode(stream_interval=257)) == (INVALID, "stream_interval must be at most 256, got 257")
     code, msg = _code(prefill(request_id=""))
     assert code == INVALID and "request_id is required" in msg
     wrong = common_pb2.HashProfile(model_fingerprint="0" * 64, layout=common_pb2.KVLayout(
@@ -344,16 +346,21 @@ def test_decode_reuses_its_own_prefix_cache_and_colocated_mode(stack, engine):
     tokens, _, done = run(run_one(stack, "turn2", ids, prefill_index=1))
     assert tokens == want and done.admitted.local_hit_blocks == 6
 
-    async def colocated():
+    async def colocated(request_id: str, stream_interval: int = 0):
         ch, d = stubs(stack.decodes[0].address, "decode")
         async with ch:
             call = d.Generate(decode_pb2.DecodeRequest(
-                request_id="colo", prompt_token_ids=prompt(77, salt=5), sampling=sampling(),
-                mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=30)
+                request_id=request_id, prompt_token_ids=prompt(77, salt=5), sampling=sampling(),
+                mode=decode_pb2.DECODE_MODE_COLOCATED, stream_interval=stream_interval), timeout=30)
             return [e async for e in call]
 
-    events = run(colocated())
+    events = run(colocated("colo"))
     assert events[0].HasField("admitted") and events[-1].HasField("done")
     assert [e.token.token_id for e in events if e.HasField("token")] == expected(engine, prompt(77, salt=5))
     assert events[-1].done.usage.completion_tokens == 8
+    # Three tokens to a message: the first alone (at once), the last closing its message.
+    events = run(colocated("colo-3", stream_interval=3))
+    assert [[t.index for t in events_of(e)] for e in events[1:-1]] == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert [t.token_id for e in events for t in events_of(e)] == expected(engine, prompt(77, salt=5))
+    assert events[0].HasField("admitted") and events[-1].done.usage.completion_tokens == 8
     assert_clean(stack)

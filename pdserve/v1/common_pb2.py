@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"N\n\x0bHashProfile\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"}\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05index\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"\xab\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_store\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_cluster\x18\x06 \x01(\r\"\xc3\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0estore_write_ms\x18\x03 \x01(\x01\x12\x14\n\x0cpull_wait_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x1e\n\x16store_write_exposed_ms\x18\x07 \x01(\x01\x12\x10\n\x08route_ms\x18\x08 \x01(\x01\x12\x0f\n\x07load_ms\x18\t \x01(\x01\"\x89\x01\n\nWorkerLoad\x12\x15\n\rqueued_tokens\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11inflight_requests\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x8b\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x17\n\x13WORKER_ROLE_KVSTORE\x10\x03\x12\x16\n\x12WORKER_ROLE_ROUTER\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"N\n\x0bHashProfile\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"}\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05index\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"5\n\x0bTokenEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TokenEvent\"\xab\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_store\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_cluster\x18\x06 \x01(\r\"\xc3\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0estore_write_ms\x18\x03 \x01(\x01\x12\x14\n\x0cpull_wait_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x1e\n\x16store_write_exposed_ms\x18\x07 \x01(\x01\x12\x10\n\x08route_ms\x18\x08 \x01(\x01\x12\x0f\n\x07load_ms\x18\t \x01(\x01\"\x89\x01\n\nWorkerLoad\x12\x15\n\rqueued_tokens\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11inflight_requests\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x8b\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x17\n\x13WORKER_ROLE_KVSTORE\x10\x03\x12\x16\n\x12WORKER_ROLE_ROUTER\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1027
-  _globals['_FINISHREASON']._serialized_end=1147
-  _globals['_WORKERROLE']._serialized_start=1150
-  _globals['_WORKERROLE']._serialized_end=1289
+  _globals['_FINISHREASON']._serialized_start=1082
+  _globals['_FINISHREASON']._serialized_end=1202
+  _globals['_WORKERROLE']._serialized_start=1205
+  _globals['_WORKERROLE']._serialized_end=1344
   _globals['_KVLAYOUT']._serialized_start=39
   _globals['_KVLAYOUT']._serialized_end=144
   _globals['_HASHPROFILE']._serialized_start=146
@@ -43,10 +43,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=386
   _globals['_TOKENEVENT']._serialized_start=388
   _globals['_TOKENEVENT']._serialized_end=513
-  _globals['_USAGE']._serialized_start=516
-  _globals['_USAGE']._serialized_end=687
-  _globals['_TIMINGS']._serialized_start=690
-  _globals['_TIMINGS']._serialized_end=885
-  _globals['_WORKERLOAD']._serialized_start=888
-  _globals['_WORKERLOAD']._serialized_end=1025
+  _globals['_TOKENEVENTS']._serialized_start=515
+  _globals['_TOKENEVENTS']._serialized_end=568
+  _globals['_USAGE']._serialized_start=571
+  _globals['_USAGE']._serialized_end=742
+  _globals['_TIMINGS']._serialized_start=745
+  _globals['_TIMINGS']._serialized_end=940
+  _globals['_WORKERLOAD']._serialized_start=943
+  _globals['_WORKERLOAD']._serialized_end=1080
 # @@protoc_insertion_point(module_scope)

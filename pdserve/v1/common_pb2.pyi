@@ -85,6 +85,12 @@ class TokenEvent(_message.Message):
     finish_reason: FinishReason
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
+class TokenEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens_local", "cached_tokens_store", "computed_tokens", "cached_tokens_cluster")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -26,27 +26,27 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\xe9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.pdserve.v1.DecodeMode\x12(\n\x07profile\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x10\n\x08tail_key\x18\x06 \x01(\t\x12\x1a\n\x12prefill_timeout_ms\x18\x07 \x01(\r\"=\n\x08\x41\x64mitted\x12\x17\n\x0freserved_blocks\x18\x01 \x01(\r\x12\x18\n\x10local_hit_blocks\x18\x02 \x01(\r\"\x85\x01\n\nDecodeDone\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x91\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.DecodeDoneH\x00\x42\x07\n\x05\x65vent\"U\n\x11\x46irstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponse\"\x14\n\x12\x46irstTokenResponse*c\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_MODE_DISAGGREGATED\x10\x01\x12\x19\n\x15\x44\x45\x43ODE_MODE_COLOCATED\x10\x02\x32\x91\x02\n\x06\x44\x65\x63ode\x12@\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12K\n\nFirstToken\x12\x1d.pdserve.v1.FirstTokenRequest\x1a\x1e.pdserve.v1.FirstTokenResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x82\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.pdserve.v1.DecodeMode\x12(\n\x07profile\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x10\n\x08tail_key\x18\x06 \x01(\t\x12\x1a\n\x12prefill_timeout_ms\x18\x07 \x01(\r\x12\x17\n\x0fstream_interval\x18\x08 \x01(\r\"=\n\x08\x41\x64mitted\x12\x17\n\x0freserved_blocks\x18\x01 \x01(\r\x12\x18\n\x10local_hit_blocks\x18\x02 \x01(\r\"\x85\x01\n\nDecodeDone\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xbc\x01\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.DecodeDoneH\x00\x12)\n\x06tokens\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.TokenEventsH\x00\x42\x07\n\x05\x65vent\"U\n\x11\x46irstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponse\"\x14\n\x12\x46irstTokenResponse*c\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_MODE_DISAGGREGATED\x10\x01\x12\x19\n\x15\x44\x45\x43ODE_MODE_COLOCATED\x10\x02\x32\x91\x02\n\x06\x44\x65\x63ode\x12@\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12K\n\nFirstToken\x12\x1d.pdserve.v1.FirstTokenRequest\x1a\x1e.pdserve.v1.FirstTokenResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEMODE']._serialized_start=782
-  _globals['_DECODEMODE']._serialized_end=881
+  _globals['_DECODEMODE']._serialized_start=850
+  _globals['_DECODEMODE']._serialized_end=949
   _globals['_DECODEREQUEST']._serialized_start=91
-  _globals['_DECODEREQUEST']._serialized_end=324
-  _globals['_ADMITTED']._serialized_start=326
-  _globals['_ADMITTED']._serialized_end=387
-  _globals['_DECODEDONE']._serialized_start=390
-  _globals['_DECODEDONE']._serialized_end=523
-  _globals['_DECODEEVENT']._serialized_start=526
-  _globals['_DECODEEVENT']._serialized_end=671
-  _globals['_FIRSTTOKENREQUEST']._serialized_start=673
-  _globals['_FIRSTTOKENREQUEST']._serialized_end=758
-  _globals['_FIRSTTOKENRESPONSE']._serialized_start=760
-  _globals['_FIRSTTOKENRESPONSE']._serialized_end=780
-  _globals['_DECODE']._serialized_start=884
-  _globals['_DECODE']._serialized_end=1157
+  _globals['_DECODEREQUEST']._serialized_end=349
+  _globals['_ADMITTED']._serialized_start=351
+  _globals['_ADMITTED']._serialized_end=412
+  _globals['_DECODEDONE']._serialized_start=415
+  _globals['_DECODEDONE']._serialized_end=548
+  _globals['_DECODEEVENT']._serialized_start=551
+  _globals['_DECODEEVENT']._serialized_end=739
+  _globals['_FIRSTTOKENREQUEST']._serialized_start=741
+  _globals['_FIRSTTOKENREQUEST']._serialized_end=826
+  _globals['_FIRSTTOKENRESPONSE']._serialized_start=828
+  _globals['_FIRSTTOKENRESPONSE']._serialized_end=848
+  _globals['_DECODE']._serialized_start=952
+  _globals['_DECODE']._serialized_end=1225
 # @@protoc_insertion_point(module_scope)

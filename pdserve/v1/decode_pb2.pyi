@@ -19,7 +19,7 @@ DECODE_MODE_DISAGGREGATED: DecodeMode
 DECODE_MODE_COLOCATED: DecodeMode
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "profile", "tail_key", "prefill_timeout_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "profile", "tail_key", "prefill_timeout_ms", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DecodeRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -34,7 +35,8 @@ class DecodeRequest(_message.Message):
     profile: _common_pb2.HashProfile
     tail_key: str
     prefill_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., tail_key: _Optional[str] = ..., prefill_timeout_ms: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., profile: _Optional[_Union[_common_pb2.HashProfile, _Mapping]] = ..., tail_key: _Optional[str] = ..., prefill_timeout_ms: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class Admitted(_message.Message):
     __slots__ = ("reserved_blocks", "local_hit_blocks")
@@ -55,14 +57,16 @@ class DecodeDone(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("admitted", "token", "done")
+    __slots__ = ("admitted", "token", "done", "tokens")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     admitted: Admitted
     token: _common_pb2.TokenEvent
     done: DecodeDone
-    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ...) -> None: ...
+    tokens: _common_pb2.TokenEvents
+    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.TokenEvents, _Mapping]] = ...) -> None: ...
 
 class FirstTokenRequest(_message.Message):
     __slots__ = ("request_id", "prefill")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"\xb2\x01\n\rRouteDecision\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_hit_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65stimated_ttft_ms\x18\x05 \x01(\x01\x12\x11\n\tcolocated\x18\x06 \x01(\x08\x12\x17\n\x0f\x62\x65st_hit_tokens\x18\x07 \x01(\r\"\xc8\x01\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12(\n\x05route\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.RouteDecision\"\x9f\x01\n\x10GenerateResponse\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.GenerateSummaryH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TokenEventsH\x00\x42\x07\n\x05\x65vent\"5\n\x0bTokenEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TokenEvent\"t\n\x0eGenerateResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TokenEvent\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.GenerateSummary\"\x0f\n\rStatusRequest\"\xb5\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x16\n\x0erefused_reason\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07kv_path\x18\x07 \x01(\t\"S\n\x08HitRates\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x12\n\nhit_tokens\x18\x02 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x03 \x01(\x04\x12\r\n\x05ratio\x18\x04 \x01(\x01\"\xcc\x01\n\x0eStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08\x12\x0f\n\x07routing\x18\x03 \x01(\t\x12\'\n\thit_rates\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.HitRates\x12&\n\x05store\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.StoreStatus\x12\x14\n\x0cprefix_index\x18\x06 \x01(\t\"\xda\x01\n\x0bStoreStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x1a\n\x12\x64\x65vice_used_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16\x64\x65vice_capacity_blocks\x18\x04 \x01(\x04\x12\x18\n\x10\x64ram_used_blocks\x18\x05 \x01(\x04\x12\x1c\n\x14\x64ram_capacity_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x15\n\ractive_leases\x18\t \x01(\r2\xdc\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1a.pdserve.v1.GenerateResult\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"\xb2\x01\n\rRouteDecision\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_hit_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x65stimated_ttft_ms\x18\x05 \x01(\x01\x12\x11\n\tcolocated\x18\x06 \x01(\x08\x12\x17\n\x0f\x62\x65st_hit_tokens\x18\x07 \x01(\r\"\xc8\x01\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12(\n\x05route\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.RouteDecision\"\x9f\x01\n\x10GenerateResponse\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.GenerateSummaryH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TokenEventsH\x00\x42\x07\n\x05\x65vent\"t\n\x0eGenerateResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TokenEvent\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.GenerateSummary\"\x0f\n\rStatusRequest\"\xb5\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x16\n\x0erefused_reason\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07kv_path\x18\x07 \x01(\t\"S\n\x08HitRates\x12\r\n\x05scope\x18\x01 \x01(\t\x12\x12\n\nhit_tokens\x18\x02 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x03 \x01(\x04\x12\r\n\x05ratio\x18\x04 \x01(\x01\"\xcc\x01\n\x0eStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08\x12\x0f\n\x07routing\x18\x03 \x01(\t\x12\'\n\thit_rates\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.HitRates\x12&\n\x05store\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.StoreStatus\x12\x14\n\x0cprefix_index\x18\x06 \x01(\t\"\xda\x01\n\x0bStoreStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x1a\n\x12\x64\x65vice_used_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16\x64\x65vice_capacity_blocks\x18\x04 \x01(\x04\x12\x18\n\x10\x64ram_used_blocks\x18\x05 \x01(\x04\x12\x1c\n\x14\x64ram_capacity_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x15\n\ractive_leases\x18\t \x01(\r2\xdc\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1a.pdserve.v1.GenerateResult\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,20 +42,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATESUMMARY']._serialized_end=626
   _globals['_GENERATERESPONSE']._serialized_start=629
   _globals['_GENERATERESPONSE']._serialized_end=788
-  _globals['_TOKENEVENTS']._serialized_start=790
-  _globals['_TOKENEVENTS']._serialized_end=843
-  _globals['_GENERATERESULT']._serialized_start=845
-  _globals['_GENERATERESULT']._serialized_end=961
-  _globals['_STATUSREQUEST']._serialized_start=963
-  _globals['_STATUSREQUEST']._serialized_end=978
-  _globals['_WORKERSTATUS']._serialized_start=981
-  _globals['_WORKERSTATUS']._serialized_end=1162
-  _globals['_HITRATES']._serialized_start=1164
-  _globals['_HITRATES']._serialized_end=1247
-  _globals['_STATUSRESPONSE']._serialized_start=1250
-  _globals['_STATUSRESPONSE']._serialized_end=1454
-  _globals['_STORESTATUS']._serialized_start=1457
-  _globals['_STORESTATUS']._serialized_end=1675
-  _globals['_ROUTER']._serialized_start=1678
-  _globals['_ROUTER']._serialized_end=1898
+  _globals['_GENERATERESULT']._serialized_start=790
+  _globals['_GENERATERESULT']._serialized_end=906
+  _globals['_STATUSREQUEST']._serialized_start=908
+  _globals['_STATUSREQUEST']._serialized_end=923
+  _globals['_WORKERSTATUS']._serialized_start=926
+  _globals['_WORKERSTATUS']._serialized_end=1107
+  _globals['_HITRATES']._serialized_start=1109
+  _globals['_HITRATES']._serialized_end=1192
+  _globals['_STATUSRESPONSE']._serialized_start=1195
+  _globals['_STATUSRESPONSE']._serialized_end=1399
+  _globals['_STORESTATUS']._serialized_start=1402
+  _globals['_STORESTATUS']._serialized_end=1620
+  _globals['_ROUTER']._serialized_start=1623
+  _globals['_ROUTER']._serialized_end=1843
 # @@protoc_insertion_point(module_scope)

@@ -64,14 +64,8 @@ class GenerateResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.TokenEvent
     summary: GenerateSummary
-    tokens: TokenEvents
-    def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvents, _Mapping]] = ...) -> None: ...
-
-class TokenEvents(_message.Message):
-    __slots__ = ("events",)
-    EVENTS_FIELD_NUMBER: _ClassVar[int]
-    events: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.TokenEvent, _Mapping]]] = ...) -> None: ...
+    tokens: _common_pb2.TokenEvents
+    def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.TokenEvents, _Mapping]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("text", "tokens", "summary")

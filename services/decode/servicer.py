@@ -6,6 +6,7 @@ import math
 
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.rpc.convert import finish_to_pb
+from pdserve.rpc.stream_interval import MAX_STREAM_INTERVAL, grouped
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.validate import request_basics
@@ -28,10 +29,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         remaining = context.time_remaining()
         timeout_s = (request.prefill_timeout_ms / 1000 if request.prefill_timeout_ms else
                      remaining if remaining is not None else self.w.cfg.prefill_timeout_ms / 1000)
+        if request.stream_interval > MAX_STREAM_INTERVAL:
+            raise InvalidArgument(f"stream_interval must be at most {MAX_STREAM_INTERVAL}, "
+                                  f"got {request.stream_interval}")
         req = DecodeInput(request.request_id, ids, params, request.mode == decode_pb2.DECODE_MODE_COLOCATED,
                           request.tail_key, timeout_s)
-        async for item in self.decoder.generate(req):
-            yield to_pb(item)
+        token = lambda item: _token_pb(item) if isinstance(item, Token) else None  # noqa: E731
+        async for out in grouped(self.decoder.generate(req), max(request.stream_interval, 1), token):
+            if not isinstance(out, list):
+                yield to_pb(out)
+            elif len(out) == 1:
+                yield decode_pb2.DecodeEvent(token=out[0])
+            else:
+                yield decode_pb2.DecodeEvent(tokens=common_pb2.TokenEvents(events=out))
 
     async def FirstToken(self, request, context):
         p = request.prefill
@@ -62,13 +72,16 @@ def to_pb(item: Admitted | Token | Done) -> decode_pb2.DecodeEvent:
         return decode_pb2.DecodeEvent(admitted=decode_pb2.Admitted(reserved_blocks=item.reserved_blocks,
                                                                    local_hit_blocks=item.local_hit_blocks))
     if isinstance(item, Token):
-        ev = item.event
-        return decode_pb2.DecodeEvent(token=common_pb2.TokenEvent(
-            token_id=ev.token_id, text=item.text, logprob=ev.logprob, index=ev.index,
-            finish_reason=finish_to_pb(ev.finish_reason)))
+        return decode_pb2.DecodeEvent(token=_token_pb(item))
     return decode_pb2.DecodeEvent(done=decode_pb2.DecodeDone(
         finish_reason=finish_to_pb(item.finish_reason),
         usage=common_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,
                                cached_tokens_local=item.cached_local),
         timings=common_pb2.Timings(pull_wait_ms=item.timings_ms["pull_wait_ms"],
                                    total_ms=item.timings_ms["total_ms"])))
+
+
+def _token_pb(item: Token) -> common_pb2.TokenEvent:
+    ev = item.event
+    return common_pb2.TokenEvent(token_id=ev.token_id, text=item.text, logprob=ev.logprob, index=ev.index,
+                                 finish_reason=finish_to_pb(ev.finish_reason))

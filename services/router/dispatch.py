@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.errors import PdserveError
+from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 FIRST_TOKEN_TIMEOUT_S = 10.0  # one small unary call to a worker already streaming this request
@@ -66,13 +67,16 @@ async def disaggregated(
     sampling: common_pb2.SamplingParams,
     profile: common_pb2.HashProfile | None = None,
     timeout_s: float = 60.0,
+    stream_interval: int = 1,
 ) -> AsyncIterator[FirstFromPrefill | common_pb2.TokenEvent | Finished]:
-    """Yields prefill's first token, then decode's tokens (index >= 1), then `Finished`. Both
-    calls carry the request's deadline: decode waits for prefill as long as it allows."""
+    """Yields prefill's first token, then decode's tokens (index >= 1; decode sends them
+    `stream_interval` to a message), then `Finished`. Both calls carry the request's deadline:
+    decode waits for prefill as long as it allows."""
     deadline = time.monotonic() + timeout_s
     decode_call = decode.Generate(decode_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-        mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile), timeout=timeout_s)
+        mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile, stream_interval=stream_interval),
+        timeout=timeout_s)
     prefill_call = None
     try:
         try:
@@ -101,11 +105,12 @@ async def disaggregated(
             raise await _decode_failure(decode_call, e) from e
         try:
             while (event := await decode_call.read()) is not grpc.aio.EOF:
-                if event.HasField("token") and event.token.index > 0:
-                    yield event.token
-                elif event.HasField("done"):
+                if event.HasField("done"):
                     yield Finished(event.done, admitted)
                     return
+                for token in events_of(event):
+                    if token.index > 0:
+                        yield token
             raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream ended without a result")
         except grpc.aio.AioRpcError as e:
             raise _error("decode", e) from e

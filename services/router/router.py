@@ -22,6 +22,7 @@ from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
 from pdserve.rpc.convert import profile_to_pb, sampling_to_pb
+from pdserve.rpc.stream_interval import events_of
 from pdserve.runtime import telemetry
 from pdserve.v1 import common_pb2, decode_pb2
 from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
@@ -330,7 +331,7 @@ class Router:
             return
         t_sent = time.perf_counter()
         async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                          self.profile_pb, timeout_s)) as events:
+                                          self.profile_pb, timeout_s, self.cfg.stream_interval)) as events:
             async for ev in events:
                 if isinstance(ev, FirstFromPrefill):
                     await self._account(ev.response, route, len(ids), (ev.at - t_sent) * 1e3)
@@ -350,15 +351,15 @@ class Router:
     async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary, timeout_s: float):
         call = route.decode.stub.Generate(decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sampling, profile=self.profile_pb,
-            mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=timeout_s)
+            mode=decode_pb2.DECODE_MODE_COLOCATED, stream_interval=self.cfg.stream_interval), timeout=timeout_s)
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
-                if event.HasField("token"):
-                    summary.completion_tokens = event.token.index + 1
-                    yield event.token
-                elif event.HasField("done"):
+                if event.HasField("done"):
                     summary.computed = len(ids)
                     return
+                for token in events_of(event):
+                    summary.completion_tokens = token.index + 1
+                    yield token
         except grpc.aio.AioRpcError as e:
             raise DispatchError(e.code(), f"decode: {e.details()}") from e
         finally:

@@ -7,6 +7,7 @@ import math
 from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.rpc.convert import sampling_from_pb
+from pdserve.rpc.stream_interval import grouped
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.route_types import Summary, TokenOut
 from services.router.router import Router
@@ -62,23 +63,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield item
 
     async def Generate(self, request, context):
-        """Tokens as they come, `stream_interval` to a message: every message (each its own
-        system call on the connection) costs the router more than the token it carries. The
-        first token goes at once (time to first token), the last when the request ends."""
-        held: list[common_pb2.TokenEvent] = []
-        try:
-            async for item in self._generate(request, context):
-                if isinstance(item, TokenOut):
-                    held.append(_token_pb(item))
-                    if len(held) >= self.stream_interval or item.index == 0 or item.finish_reason:
-                        yield _tokens_pb(held)
-                        held = []
-                else:
-                    yield router_pb2.GenerateResponse(summary=_summary_pb(item))
-        except Exception:
-            if held:  # the client has every token it would have had one at a time, then the error
-                yield _tokens_pb(held)
-            raise
+        """Tokens as they come, `stream_interval` to a message (the first at once)."""
+        token = lambda item: _token_pb(item) if isinstance(item, TokenOut) else None  # noqa: E731
+        async for out in grouped(self._generate(request, context), self.stream_interval, token):
+            yield _tokens_pb(out) if isinstance(out, list) else router_pb2.GenerateResponse(summary=_summary_pb(out))
 
     async def GenerateUnary(self, request, context):
         tokens, summary = [], None
@@ -101,7 +89,7 @@ def _token_pb(t: TokenOut) -> common_pb2.TokenEvent:
 def _tokens_pb(events: list[common_pb2.TokenEvent]) -> router_pb2.GenerateResponse:
     if len(events) == 1:
         return router_pb2.GenerateResponse(token=events[0])
-    return router_pb2.GenerateResponse(tokens=router_pb2.TokenEvents(events=events))
+    return router_pb2.GenerateResponse(tokens=common_pb2.TokenEvents(events=events))
 
 
 def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
