@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import pytest
+
 from pdserve.engine.sampling import SamplingParams
 from services.router.policy import (
     Coefficients,
@@ -380,3 +382,13 @@ def test_a_wait_longer_than_the_request_may_wait_is_refused_before_it_queues():
         assert q.queued == 0 and room == 0
 
     asyncio.run(main())
+
+
+def test_stream_interval_is_bounded_as_decode_bounds_it():
+    from pdserve.rpc.stream_interval import MAX_STREAM_INTERVAL
+    from services.router.config import RouterConfig
+
+    assert RouterConfig(stream_interval=MAX_STREAM_INTERVAL).stream_interval == 256
+    for bad in (0, MAX_STREAM_INTERVAL + 1):
+        with pytest.raises(ValueError, match=rf"stream_interval must be in \[1, 256\], got {bad}"):
+            RouterConfig(stream_interval=bad)

@@ -67,12 +67,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.WorkerLoad(**self.w.engine.load, inflight_requests=len(self.decoder.inflight))
 
 
-def to_pb(item: Admitted | Token | Done) -> decode_pb2.DecodeEvent:
+def to_pb(item: Admitted | Done) -> decode_pb2.DecodeEvent:
+    """Anything but a token (tokens: `_token_pb`, grouped)."""
     if isinstance(item, Admitted):
         return decode_pb2.DecodeEvent(admitted=decode_pb2.Admitted(reserved_blocks=item.reserved_blocks,
                                                                    local_hit_blocks=item.local_hit_blocks))
-    if isinstance(item, Token):
-        return decode_pb2.DecodeEvent(token=_token_pb(item))
     return decode_pb2.DecodeEvent(done=decode_pb2.DecodeDone(
         finish_reason=finish_to_pb(item.finish_reason),
         usage=common_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens,

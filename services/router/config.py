@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import field
+from pdserve.rpc.stream_interval import MAX_STREAM_INTERVAL
 from pdserve.runtime.service import parse_cpus
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
@@ -56,8 +57,8 @@ class RouterConfig:
             raise ValueError("request timeouts must not be negative")
         if self.max_tokens_cap <= 0:
             raise ValueError("max_tokens_cap must be positive")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}")
         parse_cpus(self.cpus)
 
     def deadline_s(self, prompt_tokens: int, max_tokens: int, client_s: float | None) -> float:
