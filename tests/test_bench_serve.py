@@ -61,6 +61,11 @@ def test_percentiles_attainment_and_goodput_on_known_inputs():
     s = summarize(recs, wall_s=2.0, ttft_slo_ms=250, tpot_slo_ms=25)
     assert s["ttft_ms"]["p50"] == 250 and s["ok"] == 4 and s["errors"] == 1 and s["throughput_rps"] == 2.0
     assert math.isnan(s["router_ttft_ms"]["p50"])  # (not measured: absent from these records)
+    assert "ttft_estimate_error_ms" not in s
+    # What the router's TTFT estimate missed by, where it gave one.
+    est = [Record(0, 10, 4, ok=True, router_ttft_ms=t, estimated_ttft_ms=e) for t, e in
+           [(150, 100), (100, 150), (400, 100), (90, 0)]]
+    assert summarize(est, 1.0, 250, 25)["ttft_estimate_error_ms"] == {"p10": -30.0, "p50": 50.0, "p90": 250.0}
     # Refusals apart from other errors, with how fast they came.
     failed = [Record(0, 10, 4, error="ResourceExhausted: RESOURCE_EXHAUSTED: queue full", error_ms=ms)
               for ms in (2.0, 4.0)] + [Record(0, 10, 4, error="PdserveError: INTERNAL: boom", error_ms=900.0)]

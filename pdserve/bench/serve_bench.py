@@ -69,6 +69,7 @@ async def _one(client: AsyncClient, req: BenchRequest, t_start: float, timeout_s
                 rec.best_hit_tokens = item.route["best_hit_tokens"]
                 rec.route_ms = item.timings["route_ms"]
                 rec.router_ttft_ms = item.timings.get("ttft_ms", math.nan)
+                rec.estimated_ttft_ms = item.route["estimated_ttft_ms"]
         rec.finish(t0)
     except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
         rec.fail(t0, e)

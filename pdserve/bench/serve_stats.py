@@ -35,6 +35,7 @@ class Record:
     best_hit_tokens: int = 0  # what the best-placed prefill worker could have reused, per the router
     route_ms: float = math.nan  # the routing decision, measured inside the router
     router_ttft_ms: float = math.nan  # TTFT measured inside the router (from the request reaching it)
+    estimated_ttft_ms: float = math.nan  # the router's TTFT estimate when it routed the request
     error_ms: float = math.nan  # a failed request: how long its failure took to arrive
 
     def to_dict(self) -> dict:
@@ -125,6 +126,10 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
     out["itl_ms"] = {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}
     out["route_ms"] = {f"p{q}": percentile([r.route_ms for r in ok], q) for q in (50, 90, 99)}
     out["router_ttft_ms"] = {f"p{q}": percentile([r.router_ttft_ms for r in ok], q) for q in (50, 90, 99)}
+    # What the router's estimate missed by (measured - estimated, in the router, both from its handler).
+    missed = [r.router_ttft_ms - r.estimated_ttft_ms for r in ok if r.estimated_ttft_ms > 0]
+    if missed:
+        out["ttft_estimate_error_ms"] = {f"p{q}": percentile(missed, q) for q in (10, 50, 90)}
     out["error_samples"] = sorted({r.error for r in records if not r.ok})[:5]
     # Refusals (RESOURCE_EXHAUSTED: overload said so) apart from every other error, and how fast.
     refused = [r for r in records if not r.ok and "RESOURCE_EXHAUSTED" in r.error]
