@@ -70,3 +70,4 @@ def test_incomplete_characters_are_held_back_until_they_complete():
     assert stream.push(third) == "日"
     assert stream.push(first) == ""
     assert stream.flush() == "\ufffd"  # the stream ended mid-character
+
