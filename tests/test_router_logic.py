@@ -392,3 +392,17 @@ def test_stream_interval_is_bounded_as_decode_bounds_it():
     for bad in (0, MAX_STREAM_INTERVAL + 1):
         with pytest.raises(ValueError, match=rf"stream_interval must be in \[1, 256\], got {bad}"):
             RouterConfig(stream_interval=bad)
+
+
+def test_the_slo_check_learns_what_estimates_miss_by():
+    """The median of the recent misses (measured less estimated), once there are enough: the
+    SLO check adds it, since the cheapest of several noisy estimates is, as a rule, short."""
+    coef = Coefficients()
+    for _ in range(Coefficients.MIN_SAMPLES - 1):
+        coef.missed(300.0)
+    assert coef.miss_ms == 0.0  # (too few yet)
+    coef.missed(-50.0)
+    assert coef.miss_ms == 300.0
+    for _ in range(Coefficients.WINDOW):
+        coef.missed(-20.0)
+    assert coef.miss_ms == -20.0  # (the recent ones only: estimates that run long lower it)

@@ -8,7 +8,8 @@ requests wait behind that work (choosing by TTFT alone, a prompt left its cached
 slightly shorter queue, and the two-node compare lost 0.4-0.7 points of block hit ratio against
 the best-placed worker: docs/perf-log.md, S39). The queue and the request itself are priced
 alike, per request (control calls and steps, whatever a prompt's length: a queue of short, mostly
-cached prompts is not free) and per token. The SLO is checked against the TTFT estimate alone.
+cached prompts is not free) and per token. The SLO is checked against the TTFT estimate plus the
+median of what recent estimates missed by.
 The coefficients are fitted to what the estimate predicts: each prefill's time from the router
 sending it to its first token arriving back, against the queue it joined and what it computed
 and fetched from its store and from the cluster (least squares over the recent ones), not
@@ -92,6 +93,8 @@ class Coefficients:
         self._loads: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
         self.fitted: frozenset[str] = frozenset()  # the coefficients the last fit could tell (the rest: as given)
+        self._misses: deque[float] = deque(maxlen=self.WINDOW)  # measured less estimated, ms, of the recent ones
+        self.miss_ms = 0.0  # their median once there are MIN_SAMPLES: what an estimate is off by, as a rule
 
     def gauges(self) -> dict[str, float]:
         """The coefficients the last fit could tell, and how many prefills it saw, for /metrics."""
@@ -114,6 +117,14 @@ class Coefficients:
         self.samples += 1
         if len(self._recent) >= self.MIN_SAMPLES and self.samples % self.REFIT_EVERY == 0:
             self._fit()
+
+    def missed(self, ms: float) -> None:
+        """A prefill's time to first token came `ms` later than its estimate (earlier: < 0). The
+        SLO check adds the median of the recent ones to each estimate: choosing the lowest of
+        several noisy estimates picks, as a rule, one that is short (docs/perf-log.md, S41)."""
+        self._misses.append(ms)
+        if len(self._misses) >= self.MIN_SAMPLES:
+            self.miss_ms = float(np.median(self._misses))
 
     def _fit(self) -> None:
         told: set[str] = set()

@@ -111,11 +111,12 @@ class Router:
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         colocate = not prefills or uncached < self.cfg.colocate_below_tokens
         # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
-        if not colocate and (refusal := over_slo(choice.estimated_ttft_ms, waited_ms, self.cfg.ttft_slo_ms)):
+        expected_ms = choice.estimated_ttft_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
+        if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms)):
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
             if self.cfg.ttft_slo_ms and not colocate:
-                no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - choice.estimated_ttft_ms) / 1e3
+                no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - expected_ms) / 1e3
             raise no_room
         if colocate:
             decode = self.pool.workers[dchoice.worker_id]
@@ -369,6 +370,7 @@ class Router:
         """`first_token_ms`: from sending the request to its first token here."""
         u = resp.usage
         q = route.prefill_queue or PrefillCost(0, 0, 0)
+        self.coef.missed(first_token_ms - route.estimated_ttft_ms)
         self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens,
                                       u.cached_tokens_store - u.cached_tokens_cluster, u.cached_tokens_cluster),
                           first_token_ms, resp.timings.load_ms)
