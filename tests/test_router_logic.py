@@ -402,7 +402,7 @@ def test_the_slo_check_learns_what_estimates_miss_by():
         coef.missed(300.0)
     assert coef.miss_ms == 0.0  # (too few yet)
     coef.missed(-50.0)
-    assert coef.miss_ms == 300.0
+    assert coef.miss_ms == 300.0 and coef.gauges()["router_ttft_miss_ms"] == 300.0  # (in /metrics)
     for _ in range(Coefficients.WINDOW):
         coef.missed(-20.0)
     assert coef.miss_ms == -20.0  # (the recent ones only: estimates that run long lower it)

@@ -97,9 +97,10 @@ class Coefficients:
         self.miss_ms = 0.0  # their median once there are MIN_SAMPLES: what an estimate is off by, as a rule
 
     def gauges(self) -> dict[str, float]:
-        """The coefficients the last fit could tell, and how many prefills it saw, for /metrics."""
+        """The coefficients the last fit could tell, how many prefills it saw, and what the SLO
+        check adds to an estimate, for /metrics."""
         return {**{f"router_ttft_{n}": getattr(self, n) for n in self.NAMES if n in self.fitted},
-                "router_ttft_samples": self.samples}
+                "router_ttft_samples": self.samples, "router_ttft_miss_ms": self.miss_ms}
 
     def ms(self, c: PrefillCost) -> float:
         return (c.requests * self.request_ms + c.tokens * self.prefill_ms_per_token
