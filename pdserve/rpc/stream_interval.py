@@ -42,6 +42,14 @@ async def grouped(items: AsyncIterator[T], every: int, token: Callable[[T], pb.T
         raise
 
 
+def packed(message_type, events: list[pb.TokenEvent]):
+    """A stream message (`message_type`: one with `token` and `tokens` fields) carrying `events`:
+    one in `token`, several in `tokens`. `events_of` reads it back."""
+    if len(events) == 1:
+        return message_type(token=events[0])
+    return message_type(tokens=pb.TokenEvents(events=events))
+
+
 def events_of(message) -> list[pb.TokenEvent]:
     """The tokens of a stream message (one in `token`, several in `tokens`, or none)."""
     if message.HasField("token"):

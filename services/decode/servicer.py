@@ -6,7 +6,7 @@ import math
 
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.rpc.convert import finish_to_pb
-from pdserve.rpc.stream_interval import MAX_STREAM_INTERVAL, grouped
+from pdserve.rpc.stream_interval import MAX_STREAM_INTERVAL, grouped, packed
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.validate import request_basics
@@ -36,12 +36,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           request.tail_key, timeout_s)
         token = lambda item: _token_pb(item) if isinstance(item, Token) else None  # noqa: E731
         async for out in grouped(self.decoder.generate(req), max(request.stream_interval, 1), token):
-            if not isinstance(out, list):
-                yield to_pb(out)
-            elif len(out) == 1:
-                yield decode_pb2.DecodeEvent(token=out[0])
-            else:
-                yield decode_pb2.DecodeEvent(tokens=common_pb2.TokenEvents(events=out))
+            yield packed(decode_pb2.DecodeEvent, out) if isinstance(out, list) else to_pb(out)
 
     async def FirstToken(self, request, context):
         p = request.prefill

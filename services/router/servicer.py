@@ -7,7 +7,7 @@ import math
 from pdserve import logs
 from pdserve.errors import InvalidArgument
 from pdserve.rpc.convert import sampling_from_pb
-from pdserve.rpc.stream_interval import grouped
+from pdserve.rpc.stream_interval import grouped, packed
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.route_types import Summary, TokenOut
 from services.router.router import Router
@@ -66,7 +66,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Tokens as they come, `stream_interval` to a message (the first at once)."""
         token = lambda item: _token_pb(item) if isinstance(item, TokenOut) else None  # noqa: E731
         async for out in grouped(self._generate(request, context), self.stream_interval, token):
-            yield _tokens_pb(out) if isinstance(out, list) else router_pb2.GenerateResponse(summary=_summary_pb(out))
+            if isinstance(out, list):
+                yield packed(router_pb2.GenerateResponse, out)
+            else:
+                yield router_pb2.GenerateResponse(summary=_summary_pb(out))
 
     async def GenerateUnary(self, request, context):
         tokens, summary = [], None
@@ -84,12 +87,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def _token_pb(t: TokenOut) -> common_pb2.TokenEvent:
     return common_pb2.TokenEvent(token_id=t.token_id, text=t.text, logprob=t.logprob, index=t.index,
                                  finish_reason=t.finish_reason)
-
-
-def _tokens_pb(events: list[common_pb2.TokenEvent]) -> router_pb2.GenerateResponse:
-    if len(events) == 1:
-        return router_pb2.GenerateResponse(token=events[0])
-    return router_pb2.GenerateResponse(tokens=common_pb2.TokenEvents(events=events))
 
 
 def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
