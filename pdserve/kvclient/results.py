@@ -72,6 +72,7 @@ class ClusterStats:
     fetch_timeouts: int
     corrupt: int
     unreachable: int
+    fetch_errors: int
 
 
 @dataclass(frozen=True)

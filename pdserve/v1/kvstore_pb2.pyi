@@ -333,7 +333,7 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("connected", "spilled", "put_failures", "spill_dropped", "fetched", "fetch_misses", "fetch_timeouts", "corrupt", "unreachable")
+    __slots__ = ("connected", "spilled", "put_failures", "spill_dropped", "fetched", "fetch_misses", "fetch_timeouts", "corrupt", "unreachable", "fetch_errors")
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     SPILLED_FIELD_NUMBER: _ClassVar[int]
     PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +343,7 @@ class ClusterStats(_message.Message):
     FETCH_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ERRORS_FIELD_NUMBER: _ClassVar[int]
     connected: bool
     spilled: int
     put_failures: int
@@ -352,4 +353,5 @@ class ClusterStats(_message.Message):
     fetch_timeouts: int
     corrupt: int
     unreachable: int
-    def __init__(self, connected: _Optional[bool] = ..., spilled: _Optional[int] = ..., put_failures: _Optional[int] = ..., spill_dropped: _Optional[int] = ..., fetched: _Optional[int] = ..., fetch_misses: _Optional[int] = ..., fetch_timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ..., unreachable: _Optional[int] = ...) -> None: ...
+    fetch_errors: int
+    def __init__(self, connected: _Optional[bool] = ..., spilled: _Optional[int] = ..., put_failures: _Optional[int] = ..., spill_dropped: _Optional[int] = ..., fetched: _Optional[int] = ..., fetch_misses: _Optional[int] = ..., fetch_timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ..., unreachable: _Optional[int] = ..., fetch_errors: _Optional[int] = ...) -> None: ...

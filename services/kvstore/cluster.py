@@ -49,6 +49,7 @@ NOT_FOUND = -704  # Mooncake's code for a key it does not hold
 BATCH, BATCH_WAIT_S = 64, 0.002  # a put carries up to BATCH blocks, waiting this long between arrivals
 MASTER_HIGH_WATERMARK = 0.9  # mooncake_master evicts past this share of a segment (its default)
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
+ERROR_LOG_S = 10.0  # a failed fetch is logged at most this often
 
 
 def object_nbytes(block_nbytes: int) -> int:
@@ -98,6 +99,7 @@ class ClusterCounters:
     fetch_timeouts: int = 0
     corrupt: int = 0  # fetched blocks failing their checksum: removed from the cluster
     unreachable: int = 0  # gets that found the cluster not connected (not asked)
+    fetch_errors: int = 0  # fetches that ended on a failure other than NOT_FOUND (logged with its code)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +138,7 @@ class ClusterTier:
         self._closed = threading.Event()
         self._stuck = None  # a get that ran past its timeout and has not returned: gets skip the cluster
         self._skip_until = 0.0  # (monotonic) the master failed a get: gets skip the cluster until then
+        self._error_logged = -ERROR_LOG_S  # (monotonic) when a failed fetch was last logged
         threading.Thread(target=self._write_loop, name="cluster-put", daemon=True).start()
         if client is None:
             threading.Thread(target=self._connect_loop, name="cluster-connect", daemon=True).start()
@@ -288,6 +291,8 @@ class ClusterTier:
         for h, key, slot, size in zip(hashes, keys, slots, sizes, strict=True):
             if size != self.stride:
                 self.counters.fetch_misses += len(hashes) - len(out)
+                if size != NOT_FOUND:
+                    self._fetch_failed(key, size)
                 break
             address = self._address(slot)
             (expected,) = struct.unpack("<Q", ctypes.string_at(address + self.block_nbytes, TRAILER))
@@ -304,6 +309,16 @@ class ClusterTier:
         if self.index is not None and out:  # (read recently: the master evicts it later, as the index trims)
             self.index.cluster_stored([f.key for f in out])
         return out
+
+    def _fetch_failed(self, key: str, code: int) -> None:
+        """A read that failed for another reason than the key not being there: counted, and
+        logged (at most every ERROR_LOG_S) with Mooncake's code, as a miss hides it otherwise."""
+        self.counters.fetch_errors += 1
+        now = time.monotonic()
+        if now - self._error_logged >= ERROR_LOG_S:
+            self._error_logged = now
+            log.warning("a cluster fetch failed: counted as a miss", key=key, code=code,
+                        errors=self.counters.fetch_errors)
 
     def done_with(self, run: Sequence[Fetched]) -> None:
         """The store has copied these out: their staging slots are free again."""

@@ -140,12 +140,7 @@ class BlockStore:
             request_id: str) -> tuple[ReadLease | None, list[Block], Block | None]:
         """Pin the longest committed prefix of `hashes` (and the tail) under a read lease."""
         _no_repeats(hashes, "get")
-        prefix: list[Block] = []
-        for h in hashes:
-            b = self.blocks.get(h)
-            if b is None or not b.committed:
-                break
-            prefix.append(b)
+        prefix = [self.blocks.get(h) for h in hashes[: self.committed_run(hashes)]]
         tail = self.blocks.tail(tail_key) if tail_key is not None else None
         if tail is not None and not tail.committed:
             tail = None
