@@ -181,6 +181,50 @@ def test_sse_framing_byte_exact(stack, engine, tok):
     assert len(want) == 6
 
 
+def test_stream_interval_sends_tokens_n_to_a_chunk(stack, engine, tok, tmp_path):
+    """A router with --stream-interval 4 streams SSE chunks as it streams gRPC messages: the
+    first token alone, then four to a chunk, those left with the finish; the same tokens, text
+    and logprobs as one token a chunk."""
+    batched = Stack(stack.redis_url, stack.key_prefix, store=stack.store)
+    port_file = tmp_path / "port"
+    batched.start_router("--stream-interval", "4", "--http-port", "0", "--http-port-file", str(port_file))
+    try:
+        batched.wait_pool(2)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 0,
+                "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=30) as h:
+            got = h.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            one = h.post(f"{stack.http}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        chunks = [json.loads(e)["choices"][0] for e in _events(got.content)[:-1]]
+        singles = [json.loads(e)["choices"][0] for e in _events(one.content)[:-1]]
+        want = greedy(engine, tok.encode(PROMPT), 10)
+        assert [c["pdserve"]["token_ids"] for c in chunks] == [want[:1], want[1:5], want[5:9], want[9:]]
+        assert [c["finish_reason"] for c in chunks] == [None, None, None, "length"]
+        assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 4, 4, 1]
+        assert len(singles) == 11  # one a token, then the finish
+        assert "".join(c["text"] for c in chunks) == "".join(c["text"] for c in singles)
+        lps = [lp for c in chunks for lp in c["logprobs"]["token_logprobs"]]
+        assert lps == [lp for c in singles if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
+        # Each token's offset counts the text released before it, streamed or whole.
+        offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        assert offsets == [o for c in singles if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        whole_body = {k: v for k, v in body.items() if k != "stream"}
+        with httpx.Client(timeout=30) as h:
+            whole_lp = h.post(f"{url}/v1/completions", json=whole_body,
+                              headers={"Authorization": f"Bearer {API_KEY}"}).json()["choices"][0]["logprobs"]
+        assert whole_lp["text_offset"] == offsets and whole_lp["token_logprobs"] == lps
+        streamed = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, stream=True,
+            extra_body=FIXED)
+        deltas = [c.choices[0].delta.content for c in streamed]
+        whole = sync_client(stack).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                            max_tokens=10, temperature=0, extra_body=FIXED)
+        assert len(deltas) == 1 + 4 and "".join(d or "" for d in deltas) == whole.choices[0].message.content
+    finally:
+        batched.router.stop()
+
+
 def test_logprobs_given_or_refused(stack, engine, tok):
     c = sync_client(stack)
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0, extra_body=FIXED)

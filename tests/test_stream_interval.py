@@ -1,4 +1,4 @@
-"""The stream interval's grouping (pdserve/rpc/stream_interval.py): pure logic, no I/O."""
+"""The stream interval's grouping (pdserve/rpc/stream_interval.py; the HTTP API's SSE chunks): no I/O."""
 
 from __future__ import annotations
 
@@ -39,3 +39,28 @@ def test_tokens_are_grouped_n_to_a_message_and_none_is_lost():
     assert asyncio.run(run([ev(1), ev(2), "done", ev(3)], 4)) == [[1, 2], "done", [3]]
     assert asyncio.run(run([ev(0), ev(1), ev(2)], 4, fail=True)) == [[0], [1, 2], "decode went away"]
     assert asyncio.run(run([ev(0), ev(1), ev(2, stop)], 1)) == [[0], [1], [2]]
+
+
+def test_sse_chunks_group_a_choices_tokens_and_release_the_held_ones():
+    """The HTTP API's `Shape` at interval 3, two choices interleaved: each choice's first token
+    alone, then three to a chunk; what a choice holds when the stream fails comes out as its own
+    chunks (before the error event), text and token ids in order."""
+    import json
+
+    from pdserve.model.loader import load_model
+    from services.router.http.choices import Token
+    from services.router.http.responses import Shape
+
+    shape = Shape(False, "tiny", load_model("tiny").tokenizer, False, 2, interval=3)
+    out = []
+    for i in range(5):
+        for choice in (0, 1):
+            if chunk := shape.chunk(Token(choice, 100 + 10 * choice + i, f"<{choice}.{i}>", -0.5)):
+                out.append(chunk)
+    out += shape.pending_chunks()
+    got = [(c["index"], c["text"], c["pdserve"]["token_ids"])
+           for c in (json.loads(o.removeprefix("data: "))["choices"][0] for o in out)]
+    assert got == [(0, "<0.0>", [100]), (1, "<1.0>", [110]),
+                   (0, "<0.1><0.2><0.3>", [101, 102, 103]), (1, "<1.1><1.2><1.3>", [111, 112, 113]),
+                   (0, "<0.4>", [104]), (1, "<1.4>", [114])]
+    assert shape.pending_chunks() == []

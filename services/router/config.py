@@ -46,8 +46,8 @@ class RouterConfig:
     served_model_name: str = field("", "the model's name in the HTTP API (default: --model as given)")
     metrics_port: int = field(-1, "Prometheus /metrics port (-1: off, 0: any free port)")
     grace_s: float = field(5.0, "drain period on SIGTERM")
-    stream_interval: int = field(1, "gRPC streams: send tokens N at a time (the first at once, the last when the "
-                                    "request ends): fewer messages, and fewer system calls, a token")
+    stream_interval: int = field(1, "gRPC and HTTP streams: send tokens N at a time (the first at once, the last "
+                                    "when the request ends): fewer messages, and fewer system calls, a token")
     cpus: str = field("", "CPU ids the router runs on, taskset-style, e.g. '1' or '0-3' (default: all)")
 
     def __post_init__(self) -> None:

@@ -88,7 +88,8 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
                                f"{model_name!r}", param="model", code="model_not_found", kind="not_found_error")
             opts = schema.chat_options(body) if chat else schema.completion_options(body)
             prompts = await (_chat_prompt(body) if chat else _completion_prompts(body))
-            shape = Shape(chat, model_name, router.tokenizer, opts.logprobs, len(prompts) * opts.n, opts.include_usage)
+            shape = Shape(chat, model_name, router.tokenizer, opts.logprobs, len(prompts) * opts.n, opts.include_usage,
+                          router.cfg.stream_interval)
             shape.n, shape.prompt_tokens = opts.n, [len(p) for p in prompts]
             jobs = [_job(shape.id, p * opts.n + i, ids, opts) for p, ids in enumerate(prompts) for i in range(opts.n)]
             if opts.stream:
@@ -175,7 +176,8 @@ async def _stream(shape: Shape, events: AsyncIterator) -> StreamingResponse:
                 yield c
             ev = first
             while True:
-                yield shape.chunk(ev)
+                if chunk := shape.chunk(ev):
+                    yield chunk
                 try:
                     ev = await anext(events)
                 except StopAsyncIteration:
@@ -183,6 +185,8 @@ async def _stream(shape: Shape, events: AsyncIterator) -> StreamingResponse:
             for c in shape.closing():
                 yield c
         except Exception as e:
+            for c in shape.pending_chunks():
+                yield c
             yield sse_error(e)
             yield "data: [DONE]\n\n"
         finally:

@@ -26,6 +26,8 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     offset: int = 0  # characters reported before these
+    held: list[str] = field(default_factory=list)  # streamed: the text of the tokens not yet sent
+    seen: int = 0  # streamed: tokens so far
 
 
 def extension(summary: Summary, token_ids: list[int]) -> dict:
@@ -44,8 +46,9 @@ class Shape:
     """Builds one request's objects: `chat` or completions, with logprobs or not."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, logprobs: bool, n_choices: int,
-                 include_usage: bool = False):
+                 include_usage: bool = False, interval: int = 1):
         self.chat, self.model, self.tokenizer, self.want_logprobs = chat, model, tokenizer, logprobs
+        self.interval = interval  # streamed: tokens to a chunk (the router's --stream-interval)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -55,7 +58,8 @@ class Shape:
         self.n = 1  # choices per prompt
 
     # -- pieces -------------------------------------------------------------------------------
-    def _logprobs(self, s: ChoiceState) -> dict | None:
+    def _logprobs(self, s: ChoiceState, pieces: list[str]) -> dict | None:
+        """`pieces`: the text each token released (a completion's text_offset counts them)."""
         if not self.want_logprobs:
             return None
         tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t in s.token_ids]
@@ -63,9 +67,9 @@ class Shape:
             return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
                                 for tok, lp in zip(tokens, s.logprobs, strict=True)]}
         offsets, at = [], s.offset
-        for tok in tokens:
+        for piece in pieces:
             offsets.append(at)
-            at += len(tok)
+            at += len(piece)
         return {"tokens": tokens, "token_logprobs": s.logprobs,
                 "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, s.logprobs, strict=True)],
                 "text_offset": offsets}
@@ -94,8 +98,8 @@ class Shape:
             end = self.ends[i]
             text = "".join(s.text)
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": i, **body, "logprobs": self._logprobs(s), "finish_reason": end.finish_reason,
-                            "pdserve": extension(end.summary, s.token_ids)})
+            choices.append({"index": i, **body, "logprobs": self._logprobs(s, s.text),
+                            "finish_reason": end.finish_reason, "pdserve": extension(end.summary, s.token_ids)})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
 
@@ -107,15 +111,17 @@ class Shape:
             obj["usage"] = usage
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    def _choice(self, index: int, text: str | None, finish: str | None, s: ChoiceState) -> dict:
+    def _choice(self, index: int, finish: str | None, s: ChoiceState) -> dict:
+        """A streamed choice with the tokens held since the last (none: an empty delta)."""
+        text = "".join(s.held)
         if self.chat:
-            body = {"delta": {} if text is None else {"content": text}}
+            body = {"delta": {"content": text} if s.token_ids else {}}
         else:
-            body = {"text": text or ""}
-        out = {"index": index, **body, "logprobs": self._logprobs(s) if s.token_ids else None,
+            body = {"text": text}
+        out = {"index": index, **body, "logprobs": self._logprobs(s, s.held) if s.token_ids else None,
                "finish_reason": finish, "pdserve": {"token_ids": s.token_ids}}
-        s.offset += len(text or "")
-        s.token_ids, s.logprobs = [], []
+        s.offset += len(text)
+        s.token_ids, s.logprobs, s.held = [], [], []
         return out
 
     def opening(self) -> list[str]:
@@ -126,17 +132,28 @@ class Shape:
                               "finish_reason": None}]) for i in range(len(self.state))]
 
     def chunk(self, ev: Token | End) -> str:
-        """The chunk `ev` makes: one per token, its text maybe empty while held back (an
-        incomplete character, a possible stop string), so a client sees each token as it comes."""
+        """The chunk `ev` makes, or "" while its token is held: a choice's tokens go `interval`
+        to a chunk, as on the router's gRPC streams (the first alone and at once, those left
+        with the finish). A chunk's text may be empty while held back (an incomplete character,
+        a possible stop string)."""
         s = self.state[ev.index]
         if isinstance(ev, End):
             self.ends[ev.index] = ev
-            choice = self._choice(ev.index, None if self.chat else "", ev.finish_reason, s)
+            choice = self._choice(ev.index, ev.finish_reason, s)
             choice["pdserve"] = extension(ev.summary, choice["pdserve"]["token_ids"])
             return self._chunk([choice])
         s.token_ids.append(ev.token_id)
         s.logprobs.append(ev.logprob)
-        return self._chunk([self._choice(ev.index, ev.text, None, s)])
+        s.held.append(ev.text)
+        s.seen += 1
+        if s.seen > 1 and len(s.token_ids) < self.interval:
+            return ""
+        return self._chunk([self._choice(ev.index, None, s)])
+
+    def pending_chunks(self) -> list[str]:
+        """Chunks for the tokens the interval holds: a stream that fails sends them before its
+        error."""
+        return [self._chunk([self._choice(i, None, s)]) for i, s in enumerate(self.state) if s.token_ids]
 
     def closing(self) -> list[str]:
         """The usage chunk when asked for, then `[DONE]`."""
