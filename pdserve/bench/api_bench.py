@@ -34,7 +34,8 @@ def cpu_s(pid: int) -> float:
 
 def run(args: argparse.Namespace) -> None:
     port_file = Path(tempfile.mkdtemp(prefix="pdserve-api-bench-")) / "http-port"
-    spec = DeploySpec(engine=args.engine, extra_router_flags=("--http-port", "0", "--http-port-file", str(port_file)))
+    spec = DeploySpec(engine=args.engine, extra_router_flags=("--http-port", "0", "--http-port-file", str(port_file),
+                                                              "--stream-interval", str(args.stream_interval)))
     d = Deployment.start(spec)
     try:
         url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
@@ -92,5 +93,6 @@ def add_parser(sub) -> None:
                    help="mock: cost-model step times (steadier figures on a shared machine)")
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running the requests through both APIs")
+    p.add_argument("--stream-interval", type=int, default=1, help="the router's: tokens to a message or SSE chunk")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
