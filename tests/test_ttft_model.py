@@ -13,6 +13,7 @@ from services.router.policy import (
     PrefillCandidate,
     PrefillCost,
     estimate_ttft_ms,
+    over_slo,
 )
 
 
@@ -147,3 +148,21 @@ def test_the_slo_check_learns_what_estimates_miss_by():
     for _ in range(Coefficients.WINDOW):
         coef.missed(-20.0)
     assert coef.miss_ms == -20.0  # (the recent ones only: estimates that run long lower it)
+
+
+def test_what_estimates_missed_by_counts_for_a_few_seconds_only():
+    """Only admitted requests are measured: a correction above the SLO would refuse every
+    request and never be lowered. Misses older than MISS_HORIZON_S no longer count, so a router
+    that refused everything admits again once its last measurements have aged."""
+    now = [100.0]
+    coef = Coefficients(clock=lambda: now[0])
+    for _ in range(Coefficients.MIN_SAMPLES):
+        coef.missed(2500.0)
+    assert coef.miss_ms == 2500.0
+    assert over_slo(100.0 + coef.miss_ms, 0.0, 2000.0)  # refused, however cheap
+    now[0] += Coefficients.MISS_HORIZON_S - 0.1
+    assert coef.miss_ms == 2500.0
+    coef.missed(10.0)
+    now[0] += 0.2  # the 32 have aged out; one recent miss is too few to go by
+    assert coef.miss_ms == 0.0 and over_slo(100.0 + coef.miss_ms, 0.0, 2000.0) == ""
+    assert coef.gauges()["router_ttft_miss_ms"] == 0.0

@@ -21,6 +21,7 @@ running sequences.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,10 +82,11 @@ class Coefficients:
     samples."""
 
     WINDOW, REFIT_EVERY, MIN_SAMPLES = 256, 16, 32
+    MISS_HORIZON_S = 5.0  # what estimates missed by counts this long
     NAMES = ("request_ms", "prefill_ms_per_token", "fetch_ms_per_token", "cluster_ms_per_token")
 
     def __init__(self, prefill_ms_per_token: float = 0.1, fetch_ms_per_token: float = 0.01,
-                 request_ms: float = 5.0, cluster_ms_per_token: float = 0.03):
+                 request_ms: float = 5.0, cluster_ms_per_token: float = 0.03, clock=time.monotonic):
         self.request_ms = request_ms
         self.prefill_ms_per_token = prefill_ms_per_token
         self.fetch_ms_per_token = fetch_ms_per_token
@@ -93,8 +95,9 @@ class Coefficients:
         self._loads: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
         self.fitted: frozenset[str] = frozenset()  # the coefficients the last fit could tell (the rest: as given)
-        self._misses: deque[float] = deque(maxlen=self.WINDOW)  # measured less estimated, ms, of the recent ones
-        self.miss_ms = 0.0  # their median once there are MIN_SAMPLES: what an estimate is off by, as a rule
+        self._clock = clock
+        self._misses: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (when, measured less estimated ms)
+        self._miss: float | None = 0.0  # their median (None: to be computed again)
 
     def gauges(self) -> dict[str, float]:
         """The coefficients the last fit could tell, how many prefills it saw, and what the SLO
@@ -123,9 +126,24 @@ class Coefficients:
         """A prefill's time to first token came `ms` later than its estimate (earlier: < 0). The
         SLO check adds the median of the recent ones to each estimate: choosing the lowest of
         several noisy estimates picks, as a rule, one that is short (docs/perf-log.md, S41)."""
-        self._misses.append(ms)
-        if len(self._misses) >= self.MIN_SAMPLES:
-            self.miss_ms = float(np.median(self._misses))
+        self._misses.append((self._clock(), ms))
+        self._miss = None
+
+    @property
+    def miss_ms(self) -> float:
+        """The median of what the estimates of the last MISS_HORIZON_S (at most WINDOW) missed
+        by, once there are MIN_SAMPLES of them; else 0. Only admitted requests are measured, so a
+        correction kept past its moment would latch: one above the SLO refuses every request,
+        and no measurement ever comes to lower it (S42: 2,153 ms against an SLO of 2,000 ms,
+        1,468 of 2,000 requests refused)."""
+        horizon = self._clock() - self.MISS_HORIZON_S
+        while self._misses and self._misses[0][0] < horizon:
+            self._misses.popleft()
+            self._miss = None
+        if self._miss is None:
+            enough = len(self._misses) >= self.MIN_SAMPLES
+            self._miss = float(np.median([ms for _, ms in self._misses])) if enough else 0.0
+        return self._miss
 
     def _fit(self) -> None:
         told: set[str] = set()
