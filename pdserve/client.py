@@ -123,7 +123,7 @@ def _result(tokens: list[TokenEvent], s: router_pb2.GenerateSummary) -> Result:
                "computed_tokens": u.computed_tokens, "cached_tokens_cluster": u.cached_tokens_cluster},
         timings={"ttft_ms": t.ttft_ms, "total_ms": t.total_ms, "prefill_ms": t.prefill_ms,
                  "store_write_ms": t.store_write_ms, "pull_wait_ms": t.pull_wait_ms, "queue_ms": t.queue_ms,
-                 "route_ms": t.route_ms},
+                 "route_ms": t.route_ms, "load_ms": t.load_ms, "decode_admit_ms": t.decode_admit_ms},
         route={"prefill": r.prefill_worker, "decode": r.decode_worker, "policy": r.policy,
                "colocated": r.colocated, "expected_hit_tokens": r.expected_hit_tokens,
                "estimated_ttft_ms": r.estimated_ttft_ms, "best_hit_tokens": r.best_hit_tokens})

@@ -15,7 +15,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
-from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
+from services.router.dispatch import DecodeAdmitted, DispatchError, Finished, FirstFromPrefill, disaggregated
 from tests.support.stack import Stack, load, run, store_stats, stubs
 
 B = 16
@@ -54,7 +54,9 @@ async def run_one(stack: Stack, rid: str, ids: list[int], prefill_index: int = 0
     async with pch, dch:
         tokens, first, done = [], None, None
         async for ev in disaggregated(p, d, rid, ids, sampling(max_tokens)):
-            if isinstance(ev, FirstFromPrefill):
+            if isinstance(ev, DecodeAdmitted):
+                assert first is None and not tokens  # decode admits before prefill is sent
+            elif isinstance(ev, FirstFromPrefill):
                 first = ev
                 tokens.append(ev.response.first_token.token_id)
             elif isinstance(ev, Finished):
@@ -146,12 +148,12 @@ def test_first_token_comes_from_prefill_before_decode_continues(stack, engine):
 
     times = run(go())
     kinds = [k for k, _, _ in times]
-    assert kinds[0] == "FirstFromPrefill" and kinds[-1] == "Finished"
-    first = times[0][2].response
+    assert kinds[:2] == ["DecodeAdmitted", "FirstFromPrefill"] and kinds[-1] == "Finished"
+    first = times[1][2].response
     assert [first.first_token.token_id] + [e.token_id for k, _, e in times if k == "TokenEvent"] == expected(
         engine, ids)
     # Prefill's own timings show the handoff overlapped compute; decode learned the token after P had it.
-    assert first.timings.prefill_ms > 0 and times[0][1] <= times[1][1]
+    assert first.timings.prefill_ms > 0 and times[1][1] <= times[2][1]
     done = times[-1][2].done
     # The pull's wait counts from the first token's arrival at decode: part of decode's time after it.
     assert 0 <= done.timings.pull_wait_ms < done.timings.total_ms and done.usage.completion_tokens == 8

@@ -52,6 +52,9 @@ def test_outputs_equal_the_local_engine_sync_async_streamed_unary(stack, engine)
     assert unary.text == tok.decode(want) == "".join(e.text for e in streamed)
     assert by_ids.token_ids == expected(engine, ids(300, 1))
     assert unary.usage["prompt_tokens"] == len(tok.encode(text)) and unary.timings["ttft_ms"] > 0
+    # Where its TTFT went: decode's admission (prefill is sent then), then prefill's compute.
+    t = by_ids.timings
+    assert 0 < t["decode_admit_ms"] and t["decode_admit_ms"] + t["prefill_ms"] < t["ttft_ms"], t
 
     async def with_async():
         async with AsyncClient(stack.router.address) as c:

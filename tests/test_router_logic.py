@@ -148,6 +148,22 @@ def test_over_the_ttft_slo_is_refused_at_once_even_when_it_would_queue_for_decod
         route(100.0, 100)  # 15 ms: under the SLO, so it waits for room
     with pytest.raises(NoRoom):
         route(0.0, 2000)
+    # Prefill is sent once decode admits, so the decode's time to admit lately is in the estimate:
+    # the age of a request it still has not admitted, then the median of the last second's.
+    from services.router.admit_latency import AdmitLatency
+
+    now = [50.0]
+    decode.admit = AdmitLatency(clock=lambda: now[0])
+    decode.load["free_kv_blocks"] = 1000
+    ticket = decode.admit.sent()
+    now[0] += 2.0
+    with pytest.raises(ResourceExhausted, match=r"estimated TTFT 2015 ms exceeds the SLO 1000 ms"):
+        route(1000.0, 100)
+    decode.admit.admitted(ticket)
+    with pytest.raises(ResourceExhausted, match=r"estimated TTFT 2015 ms exceeds the SLO 1000 ms"):
+        route(1000.0, 100)
+    now[0] += AdmitLatency.HORIZON_S + 0.001  # then it expires: nothing latches
+    assert (route(1000.0, 100).decode, route(1000.0, 100).estimated_ttft_ms) == (decode, 15.0)
 
 
 def test_a_prefill_is_paired_with_a_decode_of_its_own_store_node():

@@ -28,7 +28,7 @@ import time
 from pdserve.bench.report import Target, emit
 from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from services.router.dispatch import Finished, FirstFromPrefill, disaggregated
+from services.router.dispatch import DecodeAdmitted, Finished, FirstFromPrefill, disaggregated
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -68,6 +68,8 @@ async def _disagg_request(p, d, rid, ids, max_tokens, times: list[float] | None 
     out: dict = {}
     async for ev in disaggregated(p, d, rid, ids, sp):
         now = time.perf_counter()
+        if isinstance(ev, DecodeAdmitted):
+            continue
         if isinstance(ev, FirstFromPrefill):
             out["ttft_ms"] = (now - t0) * 1e3
             out["prefill"] = ev.response

@@ -108,7 +108,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens_local: _Optional[int] = ..., cached_tokens_store: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., cached_tokens_cluster: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "store_write_ms", "pull_wait_ms", "ttft_ms", "total_ms", "store_write_exposed_ms", "route_ms", "load_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "store_write_ms", "pull_wait_ms", "ttft_ms", "total_ms", "store_write_exposed_ms", "route_ms", "load_ms", "decode_admit_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_WRITE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class Timings(_message.Message):
     STORE_WRITE_EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_MS_FIELD_NUMBER: _ClassVar[int]
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADMIT_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     store_write_ms: float
@@ -127,7 +128,8 @@ class Timings(_message.Message):
     store_write_exposed_ms: float
     route_ms: float
     load_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., store_write_ms: _Optional[float] = ..., pull_wait_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., store_write_exposed_ms: _Optional[float] = ..., route_ms: _Optional[float] = ..., load_ms: _Optional[float] = ...) -> None: ...
+    decode_admit_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., store_write_ms: _Optional[float] = ..., pull_wait_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., store_write_exposed_ms: _Optional[float] = ..., route_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., decode_admit_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("queued_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "inflight_requests")

@@ -23,6 +23,11 @@ FIRST_TOKEN_TIMEOUT_S = 10.0  # one small unary call to a worker already streami
 
 
 @dataclass(frozen=True)
+class DecodeAdmitted:
+    at: float  # perf_counter when decode admitted the request (and prefill was sent)
+
+
+@dataclass(frozen=True)
 class FirstFromPrefill:
     response: prefill_pb2.PrefillResponse
     at: float  # perf_counter when it arrived
@@ -68,8 +73,8 @@ async def disaggregated(
     profile: common_pb2.HashProfile | None = None,
     timeout_s: float = 60.0,
     stream_interval: int = 1,
-) -> AsyncIterator[FirstFromPrefill | common_pb2.TokenEvent | Finished]:
-    """Yields prefill's first token, then decode's tokens (index >= 1; decode sends them
+) -> AsyncIterator[DecodeAdmitted | FirstFromPrefill | common_pb2.TokenEvent | Finished]:
+    """Yields decode's admission, prefill's first token, then decode's tokens (index >= 1; decode sends them
     `stream_interval` to a message), then `Finished`. Both calls carry the request's deadline:
     decode waits for prefill as long as it allows."""
     deadline = time.monotonic() + timeout_s
@@ -86,6 +91,7 @@ async def disaggregated(
         if first_event is grpc.aio.EOF or not first_event.HasField("admitted"):
             raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream did not start with admission")
         admitted = first_event.admitted
+        yield DecodeAdmitted(time.perf_counter())
         prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile),
             timeout=max(deadline - time.monotonic(), 0.001))
@@ -118,3 +124,22 @@ async def disaggregated(
         decode_call.cancel()
         if prefill_call is not None:
             prefill_call.cancel()
+
+
+async def colocated(decode: decode_pb2_grpc.DecodeStub, request_id: str, prompt_ids: list[int],
+                    sampling: common_pb2.SamplingParams, profile: common_pb2.HashProfile | None, timeout_s: float,
+                    stream_interval: int = 1) -> AsyncIterator[common_pb2.TokenEvent]:
+    """One request on a decode worker alone (it prefills too): its tokens, index 0 first."""
+    call = decode.Generate(decode_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile,
+        mode=decode_pb2.DECODE_MODE_COLOCATED, stream_interval=stream_interval), timeout=timeout_s)
+    try:
+        while (event := await call.read()) is not grpc.aio.EOF:
+            if event.HasField("done"):
+                return
+            for token in events_of(event):
+                yield token
+    except grpc.aio.AioRpcError as e:
+        raise _error("decode", e) from e
+    finally:
+        call.cancel()

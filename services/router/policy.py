@@ -8,12 +8,13 @@ requests wait behind that work (choosing by TTFT alone, a prompt left its cached
 slightly shorter queue, and the two-node compare lost 0.4-0.7 points of block hit ratio against
 the best-placed worker: docs/perf-log.md, S39). The queue and the request itself are priced
 alike, per request (control calls and steps, whatever a prompt's length: a queue of short, mostly
-cached prompts is not free) and per token. The SLO is checked against the TTFT estimate plus the
-median of what recent estimates missed by.
+cached prompts is not free) and per token. The SLO is checked against the TTFT estimate, plus the
+paired decode worker's recent time to admit (services/router/admit_latency.py), plus the median
+of what recent estimates missed by.
 The coefficients are fitted to what the estimate predicts: each prefill's time from the router
-sending it to its first token arriving back, against the queue it joined and what it computed
-and fetched from its store and from the cluster (least squares over the recent ones), not
-constants.
+sending it (once decode admitted the request) to its first token arriving back, against the
+queue it joined and what it computed and fetched from its store and from the cluster (least
+squares over the recent ones), not constants.
 Decode: among workers with room for prompt + max_tokens, the most free KV blocks, then fewest
 running sequences.
 """

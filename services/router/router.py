@@ -22,12 +22,11 @@ from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
 from pdserve.rpc.convert import profile_to_pb, sampling_to_pb
-from pdserve.rpc.stream_interval import events_of
 from pdserve.runtime import telemetry
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.v1 import common_pb2
 from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
 from services.router.config import RouterConfig
-from services.router.dispatch import DispatchError, Finished, FirstFromPrefill, disaggregated
+from services.router.dispatch import DecodeAdmitted, DispatchError, Finished, FirstFromPrefill, colocated, disaggregated
 from services.router.limits import RequestLimits
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, PrefillCost, over_slo
@@ -110,8 +109,12 @@ class Router:
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         colocate = not prefills or uncached < self.cfg.colocate_below_tokens
+        paired = node_decode.get(self.pool.workers[choice.worker_id].store_node) if prefills else None
+        # Prefill is sent once decode admits: its time to admit lately is part of the TTFT.
+        estimate_ms = choice.estimated_ttft_ms + (self.pool.workers[paired.worker_id].admit.estimate_ms()
+                                                  if paired is not None else 0.0) if prefills else 0.0
         # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
-        expected_ms = choice.estimated_ttft_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
+        expected_ms = estimate_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
         if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms)):
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
@@ -126,7 +129,7 @@ class Router:
         decode = self.pool.workers[node_decode[prefill.store_node].worker_id]
         self.recent.add(choice.worker_id, hashes)
         return Route(prefill, decode, self.policy.name, choice.expected_local_tokens,
-                     choice.expected_store_tokens, choice.estimated_ttft_ms, (time.perf_counter() - t0) * 1e3,
+                     choice.expected_store_tokens, estimate_ms, (time.perf_counter() - t0) * 1e3,
                      choice.best_hit_tokens, need, choice.queue)
 
     async def admitted_route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
@@ -326,54 +329,52 @@ class Router:
     async def _dispatch(self, request_id, ids, params, route: Route, summary: Summary, timeout_s: float):
         sampling = sampling_to_pb(params)
         if route.prefill is None:
-            async with aclosing(self._colocated(request_id, ids, sampling, route, summary, timeout_s)) as items:
+            async with aclosing(colocated(route.decode.stub, request_id, ids, sampling, self.profile_pb, timeout_s,
+                                          self.cfg.stream_interval)) as items:
                 async for item in items:
+                    summary.completion_tokens = item.index + 1
                     yield item
+            summary.computed = len(ids)
             return
-        t_sent = time.perf_counter()
-        async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                          self.profile_pb, timeout_s, self.cfg.stream_interval)) as events:
-            async for ev in events:
-                if isinstance(ev, FirstFromPrefill):
-                    await self._account(ev.response, route, len(ids), (ev.at - t_sent) * 1e3)
-                    u = ev.response.usage
-                    summary.cached_local, summary.cached_store, summary.computed, summary.cached_cluster = (
-                        u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens, u.cached_tokens_cluster)
-                    summary.timings_ms.update(prefill_ms=ev.response.timings.prefill_ms,
-                                              store_write_ms=ev.response.timings.store_write_ms)
-                    summary.completion_tokens = 1
-                    yield ev.response.first_token
-                elif isinstance(ev, Finished):
-                    summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
-                else:
-                    summary.completion_tokens = ev.index + 1
-                    yield ev
-
-    async def _colocated(self, request_id, ids, sampling, route: Route, summary: Summary, timeout_s: float):
-        call = route.decode.stub.Generate(decode_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=ids, sampling=sampling, profile=self.profile_pb,
-            mode=decode_pb2.DECODE_MODE_COLOCATED, stream_interval=self.cfg.stream_interval), timeout=timeout_s)
+        t_sent = t_admitted = time.perf_counter()
+        ticket = route.decode.admit.sent()
         try:
-            while (event := await call.read()) is not grpc.aio.EOF:
-                if event.HasField("done"):
-                    summary.computed = len(ids)
-                    return
-                for token in events_of(event):
-                    summary.completion_tokens = token.index + 1
-                    yield token
-        except grpc.aio.AioRpcError as e:
-            raise DispatchError(e.code(), f"decode: {e.details()}") from e
+            async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
+                                              self.profile_pb, timeout_s, self.cfg.stream_interval)) as events:
+                async for ev in events:
+                    if isinstance(ev, DecodeAdmitted):
+                        route.decode.admit.admitted(ticket)
+                        t_admitted = ev.at
+                        summary.timings_ms["decode_admit_ms"] = (ev.at - t_sent) * 1e3
+                    elif isinstance(ev, FirstFromPrefill):
+                        await self._account(ev.response, route, len(ids), (ev.at - t_admitted) * 1e3,
+                                            (ev.at - t_sent) * 1e3)
+                        u = ev.response.usage
+                        summary.cached_local, summary.cached_store, summary.computed, summary.cached_cluster = (
+                            u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens, u.cached_tokens_cluster)
+                        t = ev.response.timings
+                        summary.timings_ms.update(load_ms=t.load_ms, prefill_ms=t.prefill_ms,
+                                                  store_write_ms=t.store_write_ms)
+                        summary.completion_tokens = 1
+                        yield ev.response.first_token
+                    elif isinstance(ev, Finished):
+                        summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
+                    else:
+                        summary.completion_tokens = ev.index + 1
+                        yield ev
         finally:
-            call.cancel()
+            route.decode.admit.ended(ticket)
 
-    async def _account(self, resp, route: Route, prompt_tokens: int, first_token_ms: float) -> None:
-        """`first_token_ms`: from sending the request to its first token here."""
+    async def _account(self, resp, route: Route, prompt_tokens: int, prefill_ms: float,
+                       first_token_ms: float) -> None:
+        """`prefill_ms`: from decode's admission (prefill sent) to prefill's answer, what the
+        coefficients price; `first_token_ms`: from sending the request to decode."""
         u = resp.usage
         q = route.prefill_queue or PrefillCost(0, 0, 0)
         self.coef.missed(first_token_ms - route.estimated_ttft_ms)
         self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens,
                                       u.cached_tokens_store - u.cached_tokens_cluster, u.cached_tokens_cluster),
-                          first_token_ms, resp.timings.load_ms)
+                          prefill_ms, resp.timings.load_ms)
         hit = u.cached_tokens_local + u.cached_tokens_store
         self.metrics.count("prompt_tokens", prompt_tokens)
         self.metrics.count("hit_tokens_local", u.cached_tokens_local)

@@ -100,7 +100,8 @@ def _summary_pb(s: Summary) -> router_pb2.GenerateSummary:
         timings=common_pb2.Timings(ttft_ms=t.get("ttft_ms", 0), total_ms=t.get("total_ms", 0),
                                    prefill_ms=t.get("prefill_ms", 0), store_write_ms=t.get("store_write_ms", 0),
                                    pull_wait_ms=t.get("pull_wait_ms", 0), queue_ms=t.get("queue_ms", 0),
-                                   route_ms=r.route_ms),
+                                   route_ms=r.route_ms, load_ms=t.get("load_ms", 0),
+                                   decode_admit_ms=t.get("decode_admit_ms", 0)),
         route=router_pb2.RouteDecision(
             prefill_worker=r.prefill.address if r.prefill else "", decode_worker=r.decode.address,
             policy=r.policy, expected_hit_tokens=r.expected_local_tokens + r.expected_store_tokens,
