@@ -111,8 +111,8 @@ class Router:
         colocate = not prefills or uncached < self.cfg.colocate_below_tokens
         paired = node_decode.get(self.pool.workers[choice.worker_id].store_node) if prefills else None
         # Prefill is sent once decode admits: its time to admit lately is part of the TTFT.
-        estimate_ms = choice.estimated_ttft_ms + (self.pool.workers[paired.worker_id].admit.estimate_ms()
-                                                  if paired is not None else 0.0) if prefills else 0.0
+        admit_ms = self.pool.workers[paired.worker_id].admit.estimate_ms() if paired is not None else 0.0
+        estimate_ms = choice.estimated_ttft_ms + admit_ms if prefills else 0.0
         # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
         expected_ms = estimate_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
         if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms)):
@@ -367,8 +367,9 @@ class Router:
 
     async def _account(self, resp, route: Route, prompt_tokens: int, prefill_ms: float,
                        first_token_ms: float) -> None:
-        """`prefill_ms`: from decode's admission (prefill sent) to prefill's answer, what the
-        coefficients price; `first_token_ms`: from sending the request to decode."""
+        """`prefill_ms`: from decode's admission (prefill sent then) to prefill's answer, what the
+        coefficients price; `first_token_ms`: from sending the request to decode to that answer,
+        what the estimate the SLO checks priced."""
         u = resp.usage
         q = route.prefill_queue or PrefillCost(0, 0, 0)
         self.coef.missed(first_token_ms - route.estimated_ttft_ms)
