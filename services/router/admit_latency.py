@@ -10,9 +10,9 @@ The TTFT estimate adds this figure for the decode worker a request would go to.
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
-from collections import deque
+
+from services.router.recent import RecentMedian
 
 
 class AdmitLatency:
@@ -24,7 +24,7 @@ class AdmitLatency:
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
         self._waiting: dict[int, float] = {}  # ticket -> when sent (oldest first)
-        self._recent: deque[tuple[float, float]] = deque()  # (when admitted, ms it took)
+        self._recent = RecentMedian(self.HORIZON_S, clock=clock)  # ms each took
         self._tickets = itertools.count()
 
     def sent(self) -> int:
@@ -36,8 +36,7 @@ class AdmitLatency:
     def admitted(self, ticket: int) -> None:
         sent = self._waiting.pop(ticket, None)
         if sent is not None:
-            now = self._clock()
-            self._recent.append((now, (now - sent) * 1e3))
+            self._recent.add((self._clock() - sent) * 1e3)
 
     def ended(self, ticket: int) -> None:
         """The request ended (admitted or not): no longer waiting."""
@@ -45,12 +44,7 @@ class AdmitLatency:
 
     def estimate_ms(self) -> float:
         """The median of the admissions of the last HORIZON_S, or how long the oldest request
-        still waiting has waited when that is longer; 0 when there is neither. Only admitted
-        requests are timed, so a figure kept longer would latch: one over the SLO refuses every
-        request and none comes to lower it (as the SLO correction did: docs/perf-log.md, S42)."""
-        now = self._clock()
-        while self._recent and self._recent[0][0] < now - self.HORIZON_S:
-            self._recent.popleft()
-        recent = statistics.median(ms for _, ms in self._recent) if self._recent else 0.0
-        oldest = (now - next(iter(self._waiting.values()))) * 1e3 if self._waiting else 0.0
-        return max(recent, oldest)
+        still waiting has waited when that is longer; 0 when there is neither (it cannot latch:
+        `RecentMedian`)."""
+        oldest = (self._clock() - next(iter(self._waiting.values()))) * 1e3 if self._waiting else 0.0
+        return max(self._recent.value(), oldest)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.router.recent import RecentMedian
+
 
 @dataclass(frozen=True)
 class PrefillCandidate:
@@ -96,9 +98,7 @@ class Coefficients:
         self._loads: deque[tuple[int, int, int, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
         self.fitted: frozenset[str] = frozenset()  # the coefficients the last fit could tell (the rest: as given)
-        self._clock = clock
-        self._misses: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (when, measured less estimated ms)
-        self._miss: float | None = 0.0  # their median (None: to be computed again)
+        self._misses = RecentMedian(self.MISS_HORIZON_S, self.MIN_SAMPLES, self.WINDOW, clock)  # measured - estimated
 
     def gauges(self) -> dict[str, float]:
         """The coefficients the last fit could tell, how many prefills it saw, and what the SLO
@@ -127,8 +127,7 @@ class Coefficients:
         """A prefill's time to first token came `ms` later than its estimate (earlier: < 0). The
         SLO check adds the median of the recent ones to each estimate: choosing the lowest of
         several noisy estimates picks, as a rule, one that is short (docs/perf-log.md, S41)."""
-        self._misses.append((self._clock(), ms))
-        self._miss = None
+        self._misses.add(ms)
 
     @property
     def miss_ms(self) -> float:
@@ -137,14 +136,7 @@ class Coefficients:
         correction kept past its moment would latch: one above the SLO refuses every request,
         and no measurement ever comes to lower it (S42: 2,153 ms against an SLO of 2,000 ms,
         1,468 of 2,000 requests refused)."""
-        horizon = self._clock() - self.MISS_HORIZON_S
-        while self._misses and self._misses[0][0] < horizon:
-            self._misses.popleft()
-            self._miss = None
-        if self._miss is None:
-            enough = len(self._misses) >= self.MIN_SAMPLES
-            self._miss = float(np.median([ms for _, ms in self._misses])) if enough else 0.0
-        return self._miss
+        return self._misses.value()
 
     def _fit(self) -> None:
         told: set[str] = set()

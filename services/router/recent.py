@@ -1,4 +1,6 @@
-"""This router's short memory of which hash chains it just sent to which prefill worker.
+"""This router's short memories: which hash chains it just sent to which prefill worker, and
+the recent median of a measured figure (what TTFT estimates missed by, how long a decode worker
+took to admit), expired so that it cannot latch.
 
 Workers publish their cache contents on each heartbeat, so for up to a beat the index in Redis
 does not yet show a prompt that was just routed; a related request right behind it would then
@@ -7,8 +9,9 @@ miss. Entries expire after a few heartbeats, when Redis is the authority again (
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 
 class RecentRoutes:
@@ -52,3 +55,31 @@ class RecentRoutes:
             else:
                 hi = mid - 1
         return lo
+
+
+class RecentMedian:
+    """The median of the values added in the last `horizon_s` (the newest `maxlen` at most), once
+    there are `min_count` of them; else 0. Only what a router admitted is ever measured, so a
+    figure kept past its moment would latch: one over the SLO refuses every request, and no
+    measurement comes to lower it (docs/perf-log.md, S42). Owns its samples and their median."""
+
+    def __init__(self, horizon_s: float, min_count: int = 1, maxlen: int | None = None, clock=time.monotonic):
+        self.horizon_s = horizon_s
+        self.min_count = min_count
+        self.clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (when, value)
+        self._median: float | None = 0.0  # None: to be computed again
+
+    def add(self, value: float) -> None:
+        self._samples.append((self.clock(), value))
+        self._median = None
+
+    def value(self) -> float:
+        horizon = self.clock() - self.horizon_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+            self._median = None
+        if self._median is None:
+            enough = len(self._samples) >= self.min_count
+            self._median = statistics.median(v for _, v in self._samples) if enough else 0.0
+        return self._median
