@@ -16,7 +16,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.router.dispatch import DecodeAdmitted, DispatchError, Finished, FirstFromPrefill, disaggregated
-from tests.support.stack import Stack, load, run, store_stats, stubs
+from tests.support.stack import Stack, load, prefill_whole, run, store_stats, stubs
 
 B = 16
 
@@ -195,7 +195,7 @@ def test_bad_input_at_each_rpc(stack):
         ch, p = stubs(stack.prefills[0].address, "prefill")
         async with ch:
             base = dict(request_id="bad", prompt_token_ids=[1, 2, 3], sampling=sampling())
-            return await p.Prefill(prefill_pb2.PrefillRequest(**{**base, **kw}), timeout=10)
+            return await prefill_whole(p, prefill_pb2.PrefillRequest(**{**base, **kw}), timeout=10)
 
     async def decode(**kw):
         ch, d = stubs(stack.decodes[0].address, "decode")
@@ -280,7 +280,7 @@ async def start_by_hand(p, d, rid: str, ids: list[int]):
                                                mode=decode_pb2.DECODE_MODE_DISAGGREGATED, prefill_timeout_ms=2000),
                       timeout=30)
     assert (await call.read()).HasField("admitted")
-    pre = asyncio.ensure_future(p.Prefill(prefill_pb2.PrefillRequest(
+    pre = asyncio.ensure_future(prefill_whole(p, prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=ids, sampling=sampling()), timeout=60))
     return call, pre
 

@@ -12,8 +12,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kvclient.store_client import StoreClient
-from pdserve.v1 import decode_pb2, prefill_pb2
-from tests.support.stack import Stack, run, store_stats, stubs
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from tests.support.stack import Stack, prefill_whole, run, store_stats, stubs
 from tests.test_disagg import B, expected, prompt, sampling
 
 
@@ -39,8 +39,8 @@ def test_a_decode_that_reads_late_still_finds_its_blocks(shared_redis_url, key_p
             pch, p = stubs(s.prefills[0].address, "prefill")
             dch, d = stubs(s.decodes[0].address, "decode")
             async with pch, dch:
-                resp = await p.Prefill(prefill_pb2.PrefillRequest(request_id="late", prompt_token_ids=ids,
-                                                                  sampling=sampling()), timeout=60)
+                resp = await prefill_whole(p, prefill_pb2.PrefillRequest(request_id="late", prompt_token_ids=ids,
+                                                                         sampling=sampling()), timeout=60)
                 assert resp.kv_hold_lease_id
                 other = StoreClient(s.store.address, profile, timeout_s=30)
                 for fill in range(2):  # 40 held + 1 tail + 80 fit in 128; the second 80 must make room
@@ -67,5 +67,58 @@ def test_a_decode_that_reads_late_still_finds_its_blocks(shared_redis_url, key_p
         # The second fill: 23 device blocks demoted (16 DRAM drops for them), then 57 more DRAM
         # drops for its spill; the decode read the tail, which is gone.
         assert [(t.used_blocks, t.evictions) for t in st.tiers] == [(63, 23), (64, 73)]
+    finally:
+        s.stop()
+
+
+def test_the_first_token_does_not_wait_for_the_handoff(shared_redis_url, key_prefix, engine, tiny):
+    """Prefill hands out its first token the moment it exists, while its handoff is still
+    completing: here three of the prompt's blocks are another writer's (allocated, never
+    written), so prefill must wait for them before its handoff is done. The first token
+    arrives, decode stays waiting for those blocks, and once the other writer lets them go
+    prefill puts them itself: the handoff completes and the tokens equal the engine's."""
+    import asyncio
+
+    from pdserve.kv.hashing import block_hashes
+    from services.router.dispatch import Finished, FirstFromPrefill, disaggregated
+
+    s = Stack(shared_redis_url, key_prefix).start(1, 1)
+    ids = prompt(20 * B + 5, salt=93)
+    profile = HashProfile(tiny.fingerprint, KVLayout.for_model(tiny.config, B, tiny.dtype))
+    try:
+        async def go():
+            pch, p = stubs(s.prefills[0].address, "prefill")
+            dch, d = stubs(s.decodes[0].address, "decode")
+            other = StoreClient(s.store.address, profile, timeout_s=30)
+            squat = await other.allocate(block_hashes(ids, profile)[5:8], "", "other-writer", lease_ms=60_000)
+            events = []
+
+            async def request():
+                async for ev in disaggregated(p, d, "early-first", ids, sampling(), timeout_s=60):
+                    events.append(ev)
+
+            async with pch, dch:
+                task = asyncio.ensure_future(request())
+                while not any(isinstance(ev, FirstFromPrefill) for ev in events):
+                    assert not task.done(), task
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.5)
+                waiting = len(events), (await p.Load(prefill_pb2.LoadRequest(), timeout=5)).inflight_requests
+                await other.release(squat.lease_id)
+                await asyncio.wait_for(task, 30)
+            await other.close()
+            return events, waiting
+
+        events, (n_events, prefilling) = run(go())
+        # Half a second after the first token: decode admitted, the first token out, nothing more,
+        # and prefill still completing the handoff.
+        assert (n_events, prefilling) == (2, 1)
+        first = next(ev for ev in events if isinstance(ev, FirstFromPrefill))
+        done = events[-1]
+        assert isinstance(done, Finished) and done.handoff.store_write_exposed_ms >= 500, done.handoff
+        assert first.response.timings.total_ms < done.handoff.total_ms - 500
+        tokens = [first.response.first_token.token_id] + [ev.token_id for ev in events
+                                                          if isinstance(ev, common_pb2.TokenEvent)]
+        assert tokens == expected(engine, ids)
     finally:
         s.stop()

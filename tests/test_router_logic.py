@@ -150,20 +150,31 @@ def test_over_the_ttft_slo_is_refused_at_once_even_when_it_would_queue_for_decod
         route(0.0, 2000)
     # Prefill is sent once decode admits, so the decode's time to admit lately is in the estimate:
     # the age of a request it still has not admitted, then the median of the last second's.
-    from services.router.admit_latency import AdmitLatency
+    from services.router.stage_latency import StageLatency
 
     now = [50.0]
-    decode.admit = AdmitLatency(clock=lambda: now[0])
+    decode.admit = StageLatency(clock=lambda: now[0])
     decode.load["free_kv_blocks"] = 1000
-    ticket = decode.admit.sent()
+    ticket = decode.admit.start()
     now[0] += 2.0
     with pytest.raises(ResourceExhausted, match=r"estimated TTFT 2015 ms exceeds the SLO 1000 ms"):
         route(1000.0, 100)
-    decode.admit.admitted(ticket)
+    decode.admit.done(ticket)
     with pytest.raises(ResourceExhausted, match=r"estimated TTFT 2015 ms exceeds the SLO 1000 ms"):
         route(1000.0, 100)
-    now[0] += AdmitLatency.HORIZON_S + 0.001  # then it expires: nothing latches
+    now[0] += StageLatency.HORIZON_S + 0.001  # then it expires: nothing latches
     assert (route(1000.0, 100).decode, route(1000.0, 100).estimated_ttft_ms) == (decode, 15.0)
+    # Its handoffs' time to complete after the first token is not in the TTFT estimate, but the
+    # check counts it: the stream waits for it.
+    decode.handoff = StageLatency(clock=lambda: now[0])
+    ticket = decode.handoff.start()
+    now[0] += 1.5
+    with pytest.raises(ResourceExhausted, match=r"estimated TTFT 15 ms, then 1500 ms for its handoff to complete, "
+                                                r"exceeds the SLO 1000 ms; retry in about 515"):
+        route(1000.0, 100)
+    decode.handoff.done(ticket)
+    now[0] += StageLatency.HORIZON_S + 0.001
+    assert route(1000.0, 100).estimated_ttft_ms == 15.0
 
 
 def test_a_prefill_is_paired_with_a_decode_of_its_own_store_node():

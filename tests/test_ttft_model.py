@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from services.router.admit_latency import AdmitLatency
 from services.router.policy import (
     Coefficients,
     DecodeCandidate,
@@ -16,6 +15,7 @@ from services.router.policy import (
     estimate_ttft_ms,
     over_slo,
 )
+from services.router.stage_latency import StageLatency
 
 
 def test_ttft_estimate_and_choices():
@@ -171,23 +171,23 @@ def test_what_estimates_missed_by_counts_for_a_few_seconds_only():
 
 def test_decode_admission_time_is_the_recent_median_or_the_oldest_wait_and_expires():
     now = [100.0]
-    admit = AdmitLatency(clock=lambda: now[0])
+    admit = StageLatency(clock=lambda: now[0])
     assert admit.estimate_ms() == 0.0
-    tickets = [admit.sent() for _ in range(3)]
+    tickets = [admit.start() for _ in range(3)]
     now[0] += 0.010
-    admit.admitted(tickets[0])  # 10 ms
+    admit.done(tickets[0])  # 10 ms
     now[0] += 0.020
-    admit.admitted(tickets[1])  # 30 ms
+    admit.done(tickets[1])  # 30 ms
     assert round(admit.estimate_ms(), 6) == 30.0  # median of 10 and 30 is 20; the third has waited 30
     admit.ended(tickets[2])  # it failed before admission: not a measurement
-    admit.admitted(tickets[2])
+    admit.done(tickets[2])
     assert round(admit.estimate_ms(), 6) == 20.0
-    late = admit.sent()
+    late = admit.start()
     now[0] += 0.5
     assert round(admit.estimate_ms(), 6) == 500.0  # a request waiting longer than the recent ones took
-    admit.admitted(late)
+    admit.done(late)
     assert round(admit.estimate_ms(), 6) == 30.0  # 10, 30, 500
     # Only admitted requests are timed: a high figure must not outlive its moment, or it would
     # refuse every request with nothing to lower it.
-    now[0] += AdmitLatency.HORIZON_S + 0.001
+    now[0] += StageLatency.HORIZON_S + 0.001
     assert admit.estimate_ms() == 0.0

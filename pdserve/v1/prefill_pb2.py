@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12(\n\x07profile\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x10\n\x08tail_key\x18\x05 \x01(\t\"\xe2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEvent\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08tail_key\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x18\n\x10kv_hold_lease_id\x18\x08 \x01(\tJ\x04\x08\x07\x10\x08\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest2\xc7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12(\n\x07profile\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.HashProfile\x12\x10\n\x08tail_key\x18\x05 \x01(\t\"\xe2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEvent\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08tail_key\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x18\n\x10kv_hold_lease_id\x18\x08 \x01(\tJ\x04\x08\x07\x10\x08\"n\n\x0cPrefillEvent\x12,\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.PrefillDoneH\x00\x42\x07\n\x05\x65vent\"3\n\x0bPrefillDone\x12$\n\x07timings\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.Timings\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest2\xc6\x01\n\x07Prefill\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,12 +36,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=234
   _globals['_PREFILLRESPONSE']._serialized_start=237
   _globals['_PREFILLRESPONSE']._serialized_end=463
-  _globals['_CANCELREQUEST']._serialized_start=465
-  _globals['_CANCELREQUEST']._serialized_end=516
-  _globals['_CANCELRESPONSE']._serialized_start=518
-  _globals['_CANCELRESPONSE']._serialized_end=549
-  _globals['_LOADREQUEST']._serialized_start=551
-  _globals['_LOADREQUEST']._serialized_end=564
-  _globals['_PREFILL']._serialized_start=567
-  _globals['_PREFILL']._serialized_end=766
+  _globals['_PREFILLEVENT']._serialized_start=465
+  _globals['_PREFILLEVENT']._serialized_end=575
+  _globals['_PREFILLDONE']._serialized_start=577
+  _globals['_PREFILLDONE']._serialized_end=628
+  _globals['_CANCELREQUEST']._serialized_start=630
+  _globals['_CANCELREQUEST']._serialized_end=681
+  _globals['_CANCELRESPONSE']._serialized_start=683
+  _globals['_CANCELRESPONSE']._serialized_end=714
+  _globals['_LOADREQUEST']._serialized_start=716
+  _globals['_LOADREQUEST']._serialized_end=729
+  _globals['_PREFILL']._serialized_start=732
+  _globals['_PREFILL']._serialized_end=930
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,20 @@ class PrefillResponse(_message.Message):
     kv_hold_lease_id: str
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_hold_lease_id: _Optional[str] = ...) -> None: ...
 
+class PrefillEvent(_message.Message):
+    __slots__ = ("first", "done")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    first: PrefillResponse
+    done: PrefillDone
+    def __init__(self, first: _Optional[_Union[PrefillResponse, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+
+class PrefillDone(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: _common_pb2.Timings
+    def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

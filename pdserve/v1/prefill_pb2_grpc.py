@@ -35,10 +35,10 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.Prefill/Prefill',
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillEvent.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdserve.v1.Prefill/Cancel',
@@ -58,8 +58,11 @@ class PrefillServicer:
     def Prefill(self, request, context):
         """Longest cached prefix first (own cache, then the store), compute the rest in chunks, commit
         each full block to the store as soon as it exists, the partial tail under `tail_key`.
-        Returns when the first token is sampled (its KV may still be committing). Cancelling the
-        call (router or decode gone) stops the computation and releases pages and store leases.
+        Streams two messages: `first`, the moment the first token is sampled (its KV may still be
+        committing: TTFT never waits on the handoff), then `done` once every block is committed in the
+        store. A failure after `first` (a commit refused, the store gone) ends the stream with its
+        status. Cancelling the call (router or decode gone) stops the computation and the writes and
+        releases pages and store leases.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,10 +84,10 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillEvent.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -118,12 +121,12 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.Prefill/Prefill',
             pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            pdserve_dot_v1_dot_prefill__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,13 @@
 """One prefill request, end to end: cached prefix (own cache, then the store), compute the rest,
 ship each full block to the store as soon as it exists (overlapping the next chunk's compute),
-the partial tail under the request's key, then return the first token."""
+hand out the first token the moment it exists, then the partial tail under the request's key,
+and report the handoff complete once the store has every commit."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve import logs
@@ -48,6 +50,13 @@ class PrefillOutput:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HandoffDone:
+    """Every block of the prompt is committed in the store (after the `PrefillOutput`)."""
+
+    timings_ms: dict[str, float]
+
+
 class Prefiller:
     """Owns this worker's in-flight prefill requests (request_id -> task)."""
 
@@ -65,19 +74,22 @@ class Prefiller:
         task.cancel()
         return True
 
-    async def prefill(self, req: PrefillInput) -> PrefillOutput:
+    async def prefill(self, req: PrefillInput) -> AsyncIterator[PrefillOutput | HandoffDone]:
+        """The first token (`PrefillOutput`) the moment it exists, then `HandoffDone`."""
         if req.request_id in self.inflight:
             raise InvalidArgument(f"request {req.request_id!r} is already being prefilled here")
-        task = asyncio.current_task()
-        self.inflight[req.request_id] = task
+        self.inflight[req.request_id] = asyncio.current_task()
+        # Not made current: it spans yields (see services/decode/decoder.py).
+        span = tracer.start_span("prefill", attributes={"request_id": req.request_id,
+                                                        "prompt_tokens": len(req.prompt_ids)})
         try:
-            with tracer.start_as_current_span("prefill", attributes={"request_id": req.request_id,
-                                                                    "prompt_tokens": len(req.prompt_ids)}):
-                return await self._prefill(req)
+            async for out in self._prefill(req):
+                yield out
         finally:
+            span.end()
             self.inflight.pop(req.request_id, None)
 
-    async def _prefill(self, req: PrefillInput) -> PrefillOutput:
+    async def _prefill(self, req: PrefillInput) -> AsyncIterator[PrefillOutput | HandoffDone]:
         w, rid, bs = self.w, req.request_id, self.w.cfg.block_size
         t0 = time.perf_counter()
         stream = w.engine.open_stream(rid)
@@ -115,10 +127,24 @@ class Prefiller:
                     first = item
                     break
             t_first = time.perf_counter()
-            await self._ship(alloc, pages, shipped, len(pages))
+            # The last blocks are written before the first token goes out (their commits are not
+            # awaited): past the yield this runs on only once the token's message is sent, and
+            # decode needs them.
+            write_s += await self._ship(alloc, pages, shipped, len(pages))
+            # The last prompt token is always computed; everything before it that was loaded is a hit.
+            cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
+            local = min(n_local * bs, cached)
+            yield PrefillOutput(
+                rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, hold,
+                cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
+                cached_cluster=min(n_cluster * bs, cached - local),
+                timings_ms={"queue_ms": (t_reserved - t0) * 1e3, "load_ms": (t_loaded - t_reserved) * 1e3,
+                            "prefill_ms": (t_first - t_loaded) * 1e3, "store_write_ms": write_s * 1e3,
+                            "total_ms": (time.perf_counter() - t0) * 1e3})
+            t_sent = time.perf_counter()
             await w.store.finish(alloc)  # every commit answered: refused ones fail the request
             await self._settle_pending(rid, alloc, pages)
-            exposed_s = time.perf_counter() - t_first
+            exposed_s = time.perf_counter() - t_sent
             alloc = None  # fully committed: the lease is closed
             await w.engine.call(lambda e: e.release(rid))
         except BaseException:
@@ -134,19 +160,9 @@ class Prefiller:
             if renewal is not None:
                 renewal.cancel()
             w.engine.close_stream(rid)
-        done = time.perf_counter()
-        # The last prompt token is always computed; everything before it that was loaded is a hit.
-        cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
-        local = min(n_local * bs, cached)
-        return PrefillOutput(
-            rid, first.token_id, first.logprob, first.finish_reason, list(res.prompt_hashes), tail_key, hold,
-            cached_local=local, cached_store=cached - local, computed=len(req.prompt_ids) - cached,
-            cached_cluster=min(n_cluster * bs, cached - local),
-            timings_ms={"queue_ms": (t_reserved - t0) * 1e3, "load_ms": (t_loaded - t_reserved) * 1e3,
-                        "prefill_ms": (t_first - t_loaded) * 1e3,
-                        "store_write_ms": (write_s + exposed_s) * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
-                        "tail_ms": (done - t_first) * 1e3,
-                        "total_ms": (done - t0) * 1e3})
+        write_s += exposed_s
+        yield HandoffDone({"store_write_ms": write_s * 1e3, "store_write_exposed_ms": exposed_s * 1e3,
+                           "total_ms": (time.perf_counter() - t0) * 1e3})
 
     async def _settle_pending(self, rid: str, alloc: Allocation, pages: list[int]) -> None:
         """Blocks another writer was putting when we allocated (PENDING) must be committed for

@@ -19,8 +19,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ids, params = request_basics(request.request_id, request.prompt_token_ids, request.sampling,
                                      request.profile, self.w.profile, self.w.model.config.vocab_size,
                                      engine.max_model_len)
-        out = await self.prefiller.prefill(PrefillInput(request.request_id, ids, params, request.tail_key))
-        return to_pb(out, self.w.model.tokenizer.decode([out.first_token]), len(ids))
+        async for out in self.prefiller.prefill(PrefillInput(request.request_id, ids, params, request.tail_key)):
+            if isinstance(out, PrefillOutput):
+                yield prefill_pb2.PrefillEvent(first=to_pb(out, self.w.model.tokenizer.decode([out.first_token]),
+                                                           len(ids)))
+            else:
+                yield prefill_pb2.PrefillEvent(done=prefill_pb2.PrefillDone(timings=common_pb2.Timings(
+                    **out.timings_ms)))
 
     async def Cancel(self, request, context):
         return prefill_pb2.CancelResponse(found=await self.prefiller.cancel(request.request_id))
@@ -39,6 +44,4 @@ def to_pb(out: PrefillOutput, text: str, prompt_tokens: int) -> prefill_pb2.Pref
         usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens_local=out.cached_local,
                                cached_tokens_store=out.cached_store, computed_tokens=out.computed,
                                cached_tokens_cluster=out.cached_cluster),
-        timings=common_pb2.Timings(prefill_ms=t["prefill_ms"], store_write_ms=t["store_write_ms"],
-                                   store_write_exposed_ms=t["store_write_exposed_ms"],
-                                   queue_ms=t["queue_ms"], load_ms=t["load_ms"], total_ms=t["total_ms"]))
+        timings=common_pb2.Timings(**t))

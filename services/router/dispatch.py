@@ -2,15 +2,16 @@
 
 Decode admits first (reserve or refuse at once) and starts watching the store; prefill runs at
 the same time; prefill's first token is yielded the moment it exists (TTFT never waits on the
-handoff) and forwarded to decode, whose stream then continues from token 1. Either side failing
-cancels the other, so nothing stays held anywhere.
+handoff) and forwarded to decode, whose stream then continues from token 1 while prefill's last
+commits land. Either side failing, before or after the first token, cancels the other, so
+nothing stays held anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,8 @@ from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 FIRST_TOKEN_TIMEOUT_S = 10.0  # one small unary call to a worker already streaming this request
+
+_finishing: set[asyncio.Future] = set()  # handoffs whose request was answered, still completing
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class FirstFromPrefill:
 class Finished:
     done: decode_pb2.DecodeDone
     admitted: decode_pb2.Admitted | None
+    handoff: common_pb2.Timings  # prefill's, once its handoff completed (its writes, all of them)
 
 
 class DispatchError(PdserveError):
@@ -73,36 +77,34 @@ async def disaggregated(
     profile: common_pb2.HashProfile | None = None,
     timeout_s: float = 60.0,
     stream_interval: int = 1,
+    on_handoff: Callable[[], None] | None = None,
 ) -> AsyncIterator[DecodeAdmitted | FirstFromPrefill | common_pb2.TokenEvent | Finished]:
     """Yields decode's admission, prefill's first token, then decode's tokens (index >= 1; decode sends them
     `stream_interval` to a message), then `Finished`. Both calls carry the request's deadline:
-    decode waits for prefill as long as it allows."""
+    decode waits for prefill as long as it allows. `on_handoff`: called when prefill's handoff
+    completes (after its first token), if it does."""
     deadline = time.monotonic() + timeout_s
     decode_call = decode.Generate(decode_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
         mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile, stream_interval=stream_interval),
         timeout=timeout_s)
-    prefill_call = None
+    prefill_call = handoff = None
+    answered = False  # the last token (or the result) is out: the request is done
     try:
-        try:
-            first_event = await decode_call.read()
-        except grpc.aio.AioRpcError as e:
-            raise _error("decode", e) from e
-        if first_event is grpc.aio.EOF or not first_event.HasField("admitted"):
-            raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream did not start with admission")
-        admitted = first_event.admitted
+        admitted = await _expect(decode_call, "decode", "admitted", "stream did not start with admission")
         yield DecodeAdmitted(time.perf_counter())
         prefill_call = prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile),
             timeout=max(deadline - time.monotonic(), 0.001))
-        try:
-            response = await prefill_call
-        except grpc.aio.AioRpcError as e:
-            raise _error("prefill", e) from e
+        response = await _expect(prefill_call, "prefill", "first", "stream did not start with the first token")
         yield FirstFromPrefill(response, time.perf_counter())
+        handoff = asyncio.ensure_future(_handoff_done(prefill_call))
+        if on_handoff is not None:
+            handoff.add_done_callback(lambda f: f.cancelled() or _failure(f) or on_handoff())
         if response.first_token.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            answered = True
             yield Finished(decode_pb2.DecodeDone(finish_reason=response.first_token.finish_reason,
-                                                 usage=response.usage), admitted)
+                                                 usage=response.usage), admitted, _timings(handoff))
             return
         try:
             await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response),
@@ -110,20 +112,78 @@ async def disaggregated(
         except grpc.aio.AioRpcError as e:
             raise await _decode_failure(decode_call, e) from e
         try:
-            while (event := await decode_call.read()) is not grpc.aio.EOF:
+            while (event := await _next(decode_call, handoff)) is not grpc.aio.EOF:
                 if event.HasField("done"):
-                    yield Finished(event.done, admitted)
+                    answered = True
+                    yield Finished(event.done, admitted, _timings(handoff))
                     return
                 for token in events_of(event):
                     if token.index > 0:
+                        answered = answered or token.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                         yield token
             raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream ended without a result")
         except grpc.aio.AioRpcError as e:
             raise _error("decode", e) from e
     finally:
         decode_call.cancel()
-        if prefill_call is not None:
+        if answered and handoff is not None and not handoff.done():
+            # Answered in full while prefill's last commits are still being confirmed: they are
+            # its prefix cache, so its call runs on to its end (its deadline bounds it).
+            _finishing.add(handoff)
+            handoff.add_done_callback(_forget)
+        elif prefill_call is not None:
             prefill_call.cancel()
+            if handoff is not None:
+                handoff.cancel()  # (a no-op once done)
+                _forget(handoff)
+
+
+async def _expect(call, side: str, field: str, otherwise: str):
+    """The `field` of `side`'s call's next message; that call's failure, or a message without it
+    (`otherwise` says so), as a DispatchError."""
+    try:
+        event = await call.read()
+    except grpc.aio.AioRpcError as e:
+        raise _error(side, e) from e
+    if event is grpc.aio.EOF or not event.HasField(field):
+        raise DispatchError(grpc.StatusCode.INTERNAL, f"{side}: {otherwise}")
+    return getattr(event, field)
+
+
+async def _handoff_done(prefill_call) -> common_pb2.Timings:
+    """Prefill's second message, once the last of the prompt's blocks is committed in the store."""
+    return (await _expect(prefill_call, "prefill", "done", "stream ended before its handoff completed")).timings
+
+
+def _failure(handoff: asyncio.Future) -> BaseException | None:
+    return handoff.exception() if handoff.done() and not handoff.cancelled() else None
+
+
+def _timings(handoff: asyncio.Future) -> common_pb2.Timings:
+    """The handoff's timings, when it has completed (none while it has not)."""
+    return handoff.result() if handoff.done() and _failure(handoff) is None else common_pb2.Timings()
+
+
+def _forget(handoff: asyncio.Future) -> None:
+    """A handoff no one waits on any more: its outcome retrieved (a failure after the request was
+    answered in full is not the request's: decode had read every block)."""
+    _finishing.discard(handoff)
+    _failure(handoff)
+
+
+async def _next(decode_call, handoff: asyncio.Future):
+    """Decode's next message; a failure of the handoff, while it completes, comes first."""
+    if handoff.done() and _failure(handoff) is None:
+        return await decode_call.read()
+    read = asyncio.ensure_future(decode_call.read())
+    try:
+        if not handoff.done():
+            await asyncio.wait((read, handoff), return_when=asyncio.FIRST_COMPLETED)
+        if (failed := _failure(handoff)) is not None:
+            raise failed
+        return await read
+    finally:
+        read.cancel()  # (a no-op once done)
 
 
 async def colocated(decode: decode_pb2_grpc.DecodeStub, request_id: str, prompt_ids: list[int],

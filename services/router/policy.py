@@ -9,7 +9,7 @@ slightly shorter queue, and the two-node compare lost 0.4-0.7 points of block hi
 the best-placed worker: docs/perf-log.md, S39). The queue and the request itself are priced
 alike, per request (control calls and steps, whatever a prompt's length: a queue of short, mostly
 cached prompts is not free) and per token. The SLO is checked against the TTFT estimate, plus the
-paired decode worker's recent time to admit (services/router/admit_latency.py), plus the median
+paired decode worker's recent time to admit (services/router/stage_latency.py), plus the median
 of what recent estimates missed by.
 The coefficients are fitted to what the estimate predicts: each prefill's time from the router
 sending it (once decode admitted the request) to its first token arriving back, against the
@@ -196,13 +196,16 @@ def estimate_ttft_ms(c: PrefillCandidate, prompt_tokens: int, store_hit_tokens: 
     return coef.ms(cost), local, fetched + cluster
 
 
-def over_slo(estimate_ms: float, waited_ms: float, slo_ms: float) -> str:
-    """Why a request is refused under a TTFT SLO (0: none), or "" when it is not."""
-    over = waited_ms + estimate_ms - slo_ms
+def over_slo(estimate_ms: float, waited_ms: float, slo_ms: float, handoff_ms: float = 0.0) -> str:
+    """Why a request is refused under a TTFT SLO (0: none), or "" when it is not. `handoff_ms`:
+    how long after its first token its stream would wait for the handoff to complete."""
+    over = waited_ms + estimate_ms + handoff_ms - slo_ms
     if not slo_ms or over <= 0:
         return ""
     waited = f" after {waited_ms:.0f} ms waiting to be admitted" if waited_ms >= 1 else ""
-    return f"estimated TTFT {estimate_ms:.0f} ms{waited} exceeds the SLO {slo_ms:.0f} ms; retry in about {over:.0f} ms"
+    then = f", then {handoff_ms:.0f} ms for its handoff to complete," if handoff_ms >= 1 else ""
+    return (f"estimated TTFT {estimate_ms:.0f} ms{then}{waited} exceeds the SLO {slo_ms:.0f} ms; "
+            f"retry in about {over:.0f} ms")
 
 
 class Policy:

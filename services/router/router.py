@@ -110,16 +110,18 @@ class Router:
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         colocate = not prefills or uncached < self.cfg.colocate_below_tokens
         paired = node_decode.get(self.pool.workers[choice.worker_id].store_node) if prefills else None
-        # Prefill is sent once decode admits: its time to admit lately is part of the TTFT.
-        admit_ms = self.pool.workers[paired.worker_id].admit.estimate_ms() if paired is not None else 0.0
+        # Prefill is sent once decode admits: its time to admit lately is part of the TTFT. Its
+        # handoffs' time to complete after the first token is not, but its stream waits for that.
+        d = self.pool.workers[paired.worker_id] if paired is not None else None
+        admit_ms, handoff_ms = (d.admit.estimate_ms(), d.handoff.estimate_ms()) if d else (0.0, 0.0)
         estimate_ms = choice.estimated_ttft_ms + admit_ms if prefills else 0.0
         # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
         expected_ms = estimate_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
-        if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms)):
+        if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms, handoff_ms)):
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
             if self.cfg.ttft_slo_ms and not colocate:
-                no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - expected_ms) / 1e3
+                no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - expected_ms - handoff_ms) / 1e3
             raise no_room
         if colocate:
             decode = self.pool.workers[dchoice.worker_id]
@@ -248,31 +250,33 @@ class Router:
                             summary.finish_reason = finish
                         yield TokenOut(item.token_id, piece, item.logprob, len(out), finish)
                         out.append(item.token_id)
-                        if finish:
-                            break  # (a stop string: closing the attempt cancels its calls)
+                        if finish and finish != item.finish_reason:
+                            break  # a stop string: closing the attempt cancels its calls
                 break
             except DispatchError as e:
+                if summary.finish_reason:
+                    break  # answered in full: a failure after the last token is not the request's
                 if not out and self._may_retry(e, "prefill", route.prefill, retries, self.cfg.prefill_retries,
                                                deadline):
                     retries += 1
                     failed.add(route.prefill.worker_id)
                     self.metrics.count("prefill_retries")
-                    log.warning("prefill failed before the first token: trying another prefill worker",
-                                request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name,
-                                error=str(e))
+                    log.warning("prefill failed before the first token: trying another prefill worker", error=str(e),
+                                request_id=request_id, prefill=route.prefill.worker_id, code=e.code.name)
                 elif not out and e.side == "decode" and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
                         time.monotonic() < queue_until):
                     # Its admission is the truth our estimate missed: full until its next heartbeat.
                     route.decode.load["free_kv_blocks"] = 0
                     route.decode.inflight_blocks_at_read = route.decode.inflight_blocks
                     self.metrics.count("decode_admission_refused")
-                elif out and self._may_retry(e, "decode", route.decode, migrations, self.cfg.max_migrations,
-                                             deadline):
+                elif out and self._may_retry(e, e.side, worker := {"prefill": route.prefill, "decode": route.decode}
+                                             .get(e.side), migrations, self.cfg.max_migrations, deadline):
+                    # Decode, or prefill's handoff after its first token was out: resume elsewhere.
                     migrations += 1
-                    failed.add(route.decode.worker_id)
+                    failed.add(worker.worker_id)
                     self.metrics.count("migrations")
-                    log.warning("decode failed mid-stream: migrating the request to another decode worker",
-                                request_id=request_id, decode=route.decode.worker_id, streamed=len(out),
+                    log.warning(f"{e.side} failed mid-stream: migrating the request to another {e.side} worker",
+                                request_id=request_id, worker=worker.worker_id, streamed=len(out),
                                 code=e.code.name, error=str(e))
                 else:
                     raise
@@ -337,50 +341,51 @@ class Router:
             summary.computed = len(ids)
             return
         t_sent = t_admitted = time.perf_counter()
-        ticket = route.decode.admit.sent()
+        d = route.decode
+        tickets = {d.admit: d.admit.start()}  # the stages of decode's this request is in, timed
         try:
-            async with aclosing(disaggregated(route.prefill.stub, route.decode.stub, request_id, ids, sampling,
-                                              self.profile_pb, timeout_s, self.cfg.stream_interval)) as events:
+            async with aclosing(disaggregated(route.prefill.stub, d.stub, request_id, ids, sampling, self.profile_pb,
+                                              timeout_s, self.cfg.stream_interval,
+                                              lambda: d.handoff.done(tickets.get(d.handoff, -1)))) as events:
                 async for ev in events:
                     if isinstance(ev, DecodeAdmitted):
-                        route.decode.admit.admitted(ticket)
+                        d.admit.done(tickets[d.admit])
                         t_admitted = ev.at
                         summary.timings_ms["decode_admit_ms"] = (ev.at - t_sent) * 1e3
                     elif isinstance(ev, FirstFromPrefill):
+                        tickets[d.handoff] = d.handoff.start()
                         await self._account(ev.response, route, len(ids), (ev.at - t_admitted) * 1e3,
                                             (ev.at - t_sent) * 1e3)
                         u = ev.response.usage
                         summary.cached_local, summary.cached_store, summary.computed, summary.cached_cluster = (
                             u.cached_tokens_local, u.cached_tokens_store, u.computed_tokens, u.cached_tokens_cluster)
                         t = ev.response.timings
-                        summary.timings_ms.update(load_ms=t.load_ms, prefill_ms=t.prefill_ms,
-                                                  store_write_ms=t.store_write_ms)
+                        summary.timings_ms.update(load_ms=t.load_ms, prefill_ms=t.prefill_ms)
                         summary.completion_tokens = 1
                         yield ev.response.first_token
                     elif isinstance(ev, Finished):
-                        summary.timings_ms["pull_wait_ms"] = ev.done.timings.pull_wait_ms
+                        summary.timings_ms.update(pull_wait_ms=ev.done.timings.pull_wait_ms,
+                                                  store_write_ms=ev.handoff.store_write_ms)
                     else:
                         summary.completion_tokens = ev.index + 1
                         yield ev
         finally:
-            route.decode.admit.ended(ticket)
+            for stage, ticket in tickets.items():
+                stage.ended(ticket)
 
     async def _account(self, resp, route: Route, prompt_tokens: int, prefill_ms: float,
                        first_token_ms: float) -> None:
-        """`prefill_ms`: from decode's admission (prefill sent then) to prefill's answer, what the
-        coefficients price; `first_token_ms`: from sending the request to decode to that answer,
-        what the estimate the SLO checks priced."""
+        """`prefill_ms`: from decode's admission (prefill sent then) to prefill's first token, what the
+        coefficients price; `first_token_ms`: from sending the request to decode to it, what the estimate priced."""
         u = resp.usage
         q = route.prefill_queue or PrefillCost(0, 0, 0)
         self.coef.missed(first_token_ms - route.estimated_ttft_ms)
         self.coef.observe(PrefillCost(q.requests + 1, q.tokens + u.computed_tokens,
                                       u.cached_tokens_store - u.cached_tokens_cluster, u.cached_tokens_cluster),
                           prefill_ms, resp.timings.load_ms)
-        hit = u.cached_tokens_local + u.cached_tokens_store
-        self.metrics.count("prompt_tokens", prompt_tokens)
-        self.metrics.count("hit_tokens_local", u.cached_tokens_local)
-        self.metrics.count("hit_tokens_store", u.cached_tokens_store)
-        self.metrics.count("hit_tokens_cluster", u.cached_tokens_cluster)
+        for name, n in (("prompt_tokens", prompt_tokens), ("hit_tokens_local", u.cached_tokens_local),
+                        ("hit_tokens_store", u.cached_tokens_store), ("hit_tokens_cluster", u.cached_tokens_cluster)):
+            self.metrics.count(name, n)
         if not self.pool.redis_ok:
             return
         try:
@@ -388,7 +393,7 @@ class Router:
                                     u.cached_tokens_local)
             await self.index.record("store", prompt_tokens, route.expected_store_tokens, u.cached_tokens_store)
             await self.index.record("all", prompt_tokens, route.expected_local_tokens + route.expected_store_tokens,
-                                    hit)
+                                    u.cached_tokens_local + u.cached_tokens_store)
         except REDIS_DOWN:
             self.pool.redis_ok = False
 

@@ -31,7 +31,7 @@ from pdserve.kv.layout import HashProfile
 from pdserve.runtime.server import channel
 from pdserve.runtime.tasks import cancel_and_wait
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from services.router.admit_latency import AdmitLatency
+from services.router.stage_latency import StageLatency
 
 log = logs.get("router.workers")
 DEFAULT_GRACE_S = 3.0  # for a record that does not say its heartbeat TTL
@@ -60,7 +60,8 @@ class WorkerView:
     inflight_prefills: int = 0  # ...and how many prompts
     inflight_blocks: int = 0  # decode: KV blocks this router's requests there reserve
     inflight_blocks_at_read: int = 0  # ...as they were when `load` was last read
-    admit: AdmitLatency = field(default_factory=AdmitLatency)  # decode: how long it takes to admit, lately
+    admit: StageLatency = field(default_factory=StageLatency)  # decode: how long it takes to admit, lately
+    handoff: StageLatency = field(default_factory=StageLatency)  # ...its handoffs to complete after the first token
 
     def free_blocks(self) -> int:
         """Decode: free KV blocks, the heartbeat's figure corrected by what this router has

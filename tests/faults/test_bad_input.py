@@ -20,7 +20,7 @@ from pdserve.rpc.convert import profile_to_pb
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from tests.support.credentials import API_KEY, bearer
 from tests.support.procs import SERVING, health
-from tests.support.stack import Stack, load, routed_stack, store_stats, stubs
+from tests.support.stack import Stack, load, prefill_whole, routed_stack, store_stats, stubs
 
 NUM_BLOCKS = 4096  # the workers' default
 
@@ -96,7 +96,7 @@ def test_every_worker_refuses_bad_sampling_itself_and_a_forged_first_token(stack
         async with ch:
             for sampling in (nan, common_pb2.SamplingParams(max_tokens=4, top_p=float("inf"))):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await prefill.Prefill(prefill_pb2.PrefillRequest(
+                    await prefill_whole(prefill, prefill_pb2.PrefillRequest(
                         request_id="p-nan", prompt_token_ids=ids(20, 2), sampling=sampling, profile=prof), timeout=5)
                 out.append((err.value.code(), err.value.details()))
         ch, decode = stubs(stack.decodes[0].address, "decode")

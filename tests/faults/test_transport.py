@@ -13,7 +13,7 @@ from pdserve.runtime.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, chan
 from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2
 from tests.kvstore_support import start_store
 from tests.support.procs import RedisServer, listening
-from tests.support.stack import Stack, run, store_stats, stubs
+from tests.support.stack import Stack, prefill_whole, run, store_stats, stubs
 
 
 def test_a_stopped_store_fails_calls_at_the_keepalive_bound_not_the_deadline(shared_redis_url, key_prefix):
@@ -71,7 +71,7 @@ def test_every_port_listens_on_the_configured_host_the_transfer_engine_s_too(sha
 async def _prefill(address: str, prompt: list[int]) -> prefill_pb2.PrefillResponse:
     ch, stub = stubs(address, "prefill")
     async with ch:
-        return await stub.Prefill(prefill_pb2.PrefillRequest(
+        return await prefill_whole(stub, prefill_pb2.PrefillRequest(
             request_id="bind-1", prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)), timeout=30)
 

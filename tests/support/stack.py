@@ -92,6 +92,15 @@ def stubs(address: str, kind: str):
     return channel, cls(channel)
 
 
+async def prefill_whole(stub: prefill_pb2_grpc.PrefillStub, request: prefill_pb2.PrefillRequest,
+                        timeout: float) -> prefill_pb2.PrefillResponse:
+    """One Prefill call read to its end: its first message (the first token), once the second
+    says the handoff is complete (every block committed)."""
+    first, done = [e async for e in stub.Prefill(request, timeout=timeout)]
+    assert first.HasField("first") and done.HasField("done"), (first, done)
+    return first.first
+
+
 async def load(address: str, kind: str) -> common_pb2.WorkerLoad:
     ch, stub = stubs(address, kind)
     async with ch:
