@@ -186,7 +186,11 @@ class Decoder:
                     first_at = time.perf_counter()
                 if pull.done() and entry.first.done():
                     break
-                await asyncio.wait([t for t in (pull, entry.first) if not t.done()], timeout=0.05)
+                # Woken by either, or when silence would pass the bound (any progress moves it).
+                silent_for = time.monotonic() - entry.last_activity
+                await asyncio.wait([t for t in (pull, entry.first) if not t.done()],
+                                   timeout=max(req.prefill_timeout_s - silent_for, 0.0) + 0.001,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if pull.done() and pull.exception() is not None:
                     raise pull.exception()
                 if time.monotonic() - entry.last_activity > req.prefill_timeout_s:
