@@ -100,7 +100,7 @@ async def disaggregated(
         yield FirstFromPrefill(response, time.perf_counter())
         handoff = asyncio.ensure_future(_handoff_done(prefill_call))
         if on_handoff is not None:
-            handoff.add_done_callback(lambda f: f.cancelled() or _failure(f) or on_handoff())
+            handoff.add_done_callback(lambda f: _succeeded(f) and on_handoff())
         if response.first_token.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             answered = True
             yield Finished(decode_pb2.DecodeDone(finish_reason=response.first_token.finish_reason,
@@ -159,9 +159,13 @@ def _failure(handoff: asyncio.Future) -> BaseException | None:
     return handoff.exception() if handoff.done() and not handoff.cancelled() else None
 
 
+def _succeeded(handoff: asyncio.Future) -> bool:
+    return handoff.done() and not handoff.cancelled() and handoff.exception() is None
+
+
 def _timings(handoff: asyncio.Future) -> common_pb2.Timings:
     """The handoff's timings, when it has completed (none while it has not)."""
-    return handoff.result() if handoff.done() and _failure(handoff) is None else common_pb2.Timings()
+    return handoff.result() if _succeeded(handoff) else common_pb2.Timings()
 
 
 def _forget(handoff: asyncio.Future) -> None:
@@ -173,7 +177,7 @@ def _forget(handoff: asyncio.Future) -> None:
 
 async def _next(decode_call, handoff: asyncio.Future):
     """Decode's next message; a failure of the handoff, while it completes, comes first."""
-    if handoff.done() and _failure(handoff) is None:
+    if _succeeded(handoff):
         return await decode_call.read()
     read = asyncio.ensure_future(decode_call.read())
     try:
