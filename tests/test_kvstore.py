@@ -259,6 +259,13 @@ def test_watch_is_told_of_each_commit(small_store):
     assert c.stats().active_leases == 0 and tier_stats(c.stats())["device"]["pinned"] == 0
 
 
+def test_stats_count_the_calls_taken(small_store):
+    c = LocalClient(small_store.address)
+    c.put(15, [0])
+    calls = c.stats().calls
+    assert (calls["AllocatePut"], calls["CommitPut"], calls["Stats"]) == (1, 1, 1) and "Get" not in calls
+
+
 def test_watch_cancelled_releases_its_pins(small_store):
     c = LocalClient(small_store.address)
     c.put(13, [0])

@@ -88,8 +88,18 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
             "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None,
             "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores, "cpus": cpus,
+            "store_calls_per_request": _calls_per_request(stores, sum(r.ok for r in records)),
             "ttft_coefficients": {k.removeprefix("router_ttft_"): v for k, v in gauges.items()
                                   if k.startswith("router_ttft_")}}
+
+
+def _calls_per_request(stores: list[dict], served: int) -> dict[str, float]:
+    """The calls every store node took, by method, per request served (the store's load)."""
+    total: dict[str, int] = {}
+    for st in stores:
+        for method, n in st["calls"].items():
+            total[method] = total.get(method, 0) + n
+    return {m: round(n / max(served, 1), 2) for m, n in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
 def _spread(records) -> dict[str, int]:
@@ -145,6 +155,11 @@ def markdown(doc: dict) -> str:
             lines.append(f"\n{r.get('topology', r['mode'])} {r['policy']}: the router's TTFT fit over "
                          f"{c['samples']:.0f} prefills: {fitted}; {r['cached_tokens_cluster']} tokens from the "
                          "cluster tier")
+    for r in doc["runs"]:
+        calls = r.get("store_calls_per_request") or {}
+        if calls:
+            lines.append(f"\n{r.get('topology', r['mode'])} {r['policy']}: store calls per request served: "
+                         f"{sum(calls.values()):.1f} (" + ", ".join(f"{m} {n:g}" for m, n in calls.items()) + ")")
     if "pooled_bound" in doc:
         lines.append(f"\nPooled-cache bound (one LRU of {doc['pooled_capacity_blocks']} blocks, same order): "
                      f"{doc['pooled_bound']:.1%} of blocks")

@@ -176,7 +176,7 @@ class Deployment:
         return {"p50_at_most": p50, "p99_at_most": p99, "mean": total / count, "n": count}
 
     def store_stats(self) -> list[dict]:
-        """Each store node's hit and miss counts and its cluster tier's counters."""
+        """Each store node's hit and miss counts, its cluster tier's counters and the calls it took."""
         import asyncio
         from dataclasses import asdict
 
@@ -192,7 +192,8 @@ class Deployment:
                 st = await client.stats()
             finally:
                 await client.close()
-            return {"hits": st.hits, "misses": st.misses, "cluster": asdict(st.cluster) if st.cluster else None}
+            return {"hits": st.hits, "misses": st.misses, "cluster": asdict(st.cluster) if st.cluster else None,
+                    "calls": st.calls}
 
         async def every() -> list[dict]:
             return [await one(a) for a in self.stores]

@@ -88,6 +88,7 @@ class StoreStats:
     corrupt_blocks: int  # blocks found failing their checksum, dropped
     fenced_blocks: int  # slots quarantined now
     cluster: ClusterStats | None = None  # None: the store has no cluster tier
+    calls: dict[str, int] = field(default_factory=dict)  # calls taken since it started, by method name
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.tier == name)
@@ -102,7 +103,7 @@ def stats_from_pb(m: pb.StatsResponse) -> StoreStats:
     return StoreStats(tiers, m.hits, m.misses, m.bytes_written, m.bytes_read, m.active_leases, m.watchers,
                       m.redis_connected, m.corrupt_blocks, m.fenced_blocks,
                       ClusterStats(**{f: getattr(m.cluster, f) for f in ClusterStats.__dataclass_fields__})
-                      if m.HasField("cluster") else None)
+                      if m.HasField("cluster") else None, dict(m.calls))
 
 
 @dataclass(frozen=True, slots=True)

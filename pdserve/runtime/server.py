@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,12 +94,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions raised by handlers into status codes with the exception's message, and
     requests that do not parse into INVALID_ARGUMENT."""
 
-    def __init__(self, max_request_bytes: int | None = None) -> None:
+    def __init__(self, max_request_bytes: int | None = None, calls: Counter[str] | None = None) -> None:
         self.max_request_bytes = max_request_bytes
+        self.calls = calls  # when given, counts every call by method name (e.g. "ReleaseLease")
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
 
     async def intercept_service(self, continuation, details):
         method = details.method
+        if self.calls is not None:
+            self.calls[method.rpartition("/")[2]] += 1
         wrapped = self._wrapped.get(method)
         if wrapped is None:
             handler = await continuation(details)
@@ -279,12 +283,14 @@ async def build_server(
     also_at: tuple[str, ...] = (),
     max_request_bytes: int | None = None,
     client_facing: bool = False,
+    calls: Counter[str] | None = None,
 ) -> ServerHandle:
     """Start a server; `register` adds the servicers and returns their full service names.
     `also_at`: more addresses to serve the same services at (e.g. "unix-abstract:NAME").
     `max_request_bytes`: larger requests are refused INVALID_ARGUMENT before they are parsed.
     `client_facing`: its RPCs take client API keys (the router's), and TLS asks no client
-    certificate; otherwise every RPC takes the service token alone (see runtime.auth)."""
+    certificate; otherwise every RPC takes the service token alone (see runtime.auth).
+    `calls`: counted into, by method name, for every call that reaches the handlers."""
     telemetry.setup_tracing(name)
     creds = auth.current()
     if (why := creds.refusal()) is not None:
@@ -295,7 +301,7 @@ async def build_server(
     else:
         guard = [AuthInterceptor(creds, client_facing)]
     server = grpc.aio.server(
-        interceptors=[*guard, *telemetry.server_interceptors(), ErrorInterceptor(max_request_bytes)],
+        interceptors=[*guard, *telemetry.server_interceptors(), ErrorInterceptor(max_request_bytes, calls)],
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE],

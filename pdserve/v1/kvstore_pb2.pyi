@@ -307,7 +307,14 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., duplicate_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected", "corrupt_blocks", "fenced_blocks", "cluster")
+    __slots__ = ("tiers", "hits", "misses", "bytes_written", "bytes_read", "active_leases", "watchers", "redis_connected", "corrupt_blocks", "fenced_blocks", "cluster", "calls")
+    class CallsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +326,7 @@ class StatsResponse(_message.Message):
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     hits: int
     misses: int
@@ -330,7 +338,8 @@ class StatsResponse(_message.Message):
     corrupt_blocks: int
     fenced_blocks: int
     cluster: ClusterStats
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+    calls: _containers.ScalarMap[str, int]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., active_leases: _Optional[int] = ..., watchers: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., corrupt_blocks: _Optional[int] = ..., fenced_blocks: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("connected", "spilled", "put_failures", "spill_dropped", "fetched", "fetch_misses", "fetch_timeouts", "corrupt", "unreachable", "fetch_errors")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
+from collections import Counter
 
 import torch
 
@@ -75,14 +76,15 @@ async def main() -> None:
     unix = f"unix-abstract:pdserve-kvstore-{uuid.uuid4().hex}" if cfg.unix and sys.platform == "linux" else ""
     servicer = KVStoreServicer(store, profile, transfer.segment, device.info.kind, cfg.max_blocks_per_request,
                                redis_connected=lambda: index.connected, unix_address=unix, cluster=cluster,
-                               node=cfg.node)
+                               node=cfg.node, calls=Counter())
 
     def register(server) -> list[str]:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
         return [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name]
 
     gc_tuning.tune()  # a store holds an object per block: default collections pause it for long
-    handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s, also_at=(unix,) if unix else ())
+    handle = await build_server("kvstore", register, cfg.host, cfg.port, cfg.grace_s, also_at=(unix,) if unix else (),
+                                calls=servicer.calls)
     stopped = handle.install_signal_handlers()
     index.start()
     reaper = asyncio.get_running_loop().create_task(_reap(store))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections import Counter
 
 from pdserve import logs
 from pdserve.errors import DataLoss, InvalidArgument
@@ -44,7 +45,7 @@ def client_id(context) -> str:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, profile: HashProfile, segment: str, device_kind: str,
                  max_blocks: int, redis_connected=lambda: False, unix_address: str = "",
-                 cluster: ClusterTier | None = None, node: str = "local"):
+                 cluster: ClusterTier | None = None, node: str = "local", calls: Counter[str] | None = None):
         self.store = store
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
@@ -55,6 +56,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.unix_address = unix_address
         self.cluster = cluster
         self.node = node
+        self.calls = calls if calls is not None else Counter()  # counted by the server (build_server)
 
     def _hashes(self, profile, raw: bytes, request_id: str = "") -> list[bytes]:
         logs.bind_request_id(request_id)
@@ -251,4 +253,5 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             active_leases=len(self.store.leases), watchers=self.store.num_waiting(),
             redis_connected=self.redis_connected(), corrupt_blocks=c.corrupt,
             fenced_blocks=self.store.blocks.num_fenced(),
-            cluster=pb.ClusterStats(**self.cluster.counters.as_dict()) if self.cluster is not None else None)
+            cluster=pb.ClusterStats(**self.cluster.counters.as_dict()) if self.cluster is not None else None,
+            calls=self.calls)
