@@ -102,16 +102,14 @@ async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transf
         return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices,
                 "corrupt": res.corrupt}
     if args.op == "watch":
-        order, ok, lease = [], True, ""
+        order, ok = [], True
         print("READY", flush=True)
-        async for batch in client.watch(hashes, tail, timeout_s=args.timeout):
-            lease = batch.lease_id
+        async for batch in client.watch(hashes, tail, timeout_s=args.timeout):  # (its lease ends with it)
             ok = ok and not await client.read_slots(batch.slots, [buf.addr(i) for i in batch.indices])
             for i in batch.indices:
                 expected = block_data(args.seed, -1 if i == args.n else args.start + i)
                 ok = ok and torch.equal(buf.block(i), expected)
                 order.append(i)
-        await client.release(lease)
         return {"order": order, "ok": ok}
     raise SystemExit(f"unknown op {args.op}")
 

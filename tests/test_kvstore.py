@@ -249,14 +249,49 @@ def test_watch_is_told_of_each_commit(small_store):
             assert await client.read_slots(ev.slots, [c.buf.addr(32 + j) for j in ev.indices]) == []
             assert all(c.buf.block(32 + j).equal(block_data(seed, j)) for j in ev.indices)
         stats = await client.stats()
-        await client.release(ev.lease_id)
-        await watch.aclose()
-        return events, stats
+        with pytest.raises(StopAsyncIteration):  # all delivered: the iteration ends, and its lease with it
+            await anext(watch)
+        return events, stats, ev.lease_id
 
-    events, stats = c.call(scenario)
+    events, stats, lease_id = c.call(scenario)
     assert events == [0, 1, 2]
-    assert stats.watchers == 0 and tier_stats(stats)["device"]["pinned"] == 3
-    assert c.stats().active_leases == 0 and tier_stats(c.stats())["device"]["pinned"] == 0
+    assert stats.watchers == 0 and stats.active_leases == 1 and tier_stats(stats)["device"]["pinned"] == 3
+    wait_for(lambda: c.stats().active_leases == 0)
+    after = c.stats()
+    assert tier_stats(after)["device"]["pinned"] == 0 and "ReleaseLease" not in after.calls
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        c.call(StoreClient.release, lease_id)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended with its watch" in e.value.details()
+
+
+def test_releases_of_one_moment_travel_in_one_call(small_store):
+    """release_soon coalesces: three read leases end in one ReleaseLease call. A batch lists what
+    it could not end (unknown, another client's) and ends the rest."""
+    c = LocalClient(small_store.address)
+    c.put(14, [0, 1])
+    hashes = [block_hash(14, 0), block_hash(14, 1)]
+
+    async def scenario(client: StoreClient):
+        stranger = StoreClient(client.target, client.profile)  # another client id
+        other = await stranger.pin(hashes)
+        leases = [(await client.pin(hashes[: 1 + i % 2])).lease_id for i in range(3)]
+        before = (await client.stats()).calls.get("ReleaseLease", 0)
+        for lease in leases:
+            client.release_soon(lease)
+        await client._releasing
+        mid = await client.stats()
+        batch = await client._call("ReleaseLease", pb.ReleaseLeaseRequest(
+            lease_ids=[leases[0], "0" * 32, other.lease_id]))
+        await stranger.release(other.lease_id)
+        await stranger.close()
+        return leases[0], other, before, mid, batch
+
+    first, other, before, mid, batch = c.call(scenario)
+    assert mid.calls["ReleaseLease"] == before + 1
+    assert mid.active_leases == 1 and tier_stats(mid)["device"]["pinned"] == 2  # the other client's lease alone
+    assert [(r.lease_id, r.code) for r in batch.refused] == [
+        (first, "FAILED_PRECONDITION"), ("0" * 32, "NOT_FOUND"), (other.lease_id, "PERMISSION_DENIED")]
+    assert batch.unpinned == 0 and c.stats().active_leases == 0
 
 
 def test_stats_count_the_calls_taken(small_store):

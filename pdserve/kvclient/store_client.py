@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from pdserve import logs
+from pdserve.errors import Unavailable
 from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
 from pdserve.kvclient.results import (
@@ -41,6 +42,10 @@ from pdserve.v1 import kvstore_pb2_grpc
 
 log = logs.get("kv.client")
 CLIENT_ID_KEY = "pdserve-client-id"
+# A lease the store ended already (lapsed, or with its watch) is no failure to release.
+_ALREADY_ENDED = ("NOT_FOUND", "FAILED_PRECONDITION")
+
+
 class StoreClient:
     """One store, one profile. Local addresses must lie in memory registered with `transfer`.
     Owns its channels and its client id (the store's leases answer to it alone)."""
@@ -59,7 +64,8 @@ class StoreClient:
         self.segment = ""
         self.address_used = ""  # the store's Unix address when this host reaches it, else `target`
         self.block_nbytes = profile.layout.block_nbytes
-        self._releasing: set[asyncio.Task] = set()  # release_soon() calls still in flight
+        self._to_release: list[str] = []  # release_soon()'s leases not yet sent
+        self._releasing: asyncio.Task | None = None  # the task sending them, while it runs
         self._connecting: asyncio.Future | None = None
 
     async def connect(self) -> StoreInfo:
@@ -125,8 +131,8 @@ class StoreClient:
             await ch.close()
 
     async def close(self) -> None:
-        if self._releasing:
-            await asyncio.gather(*self._releasing, return_exceptions=True)
+        if self._releasing is not None:
+            await asyncio.gather(self._releasing, return_exceptions=True)
         await self._close_channels()
 
     # -- transfer-engine path: writes ---------------------------------------------------------
@@ -275,13 +281,20 @@ class StoreClient:
 
     async def watch(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
                     lease_ms: int = 0, timeout_s: float | None = None) -> AsyncIterator[WatchBatch]:
-        """Batches of blocks as they are committed (each already pinned under the watch's lease)."""
+        """Batches of blocks as they are committed, each pinned under the watch's lease until the
+        iteration ends: read a batch's slots in the loop's body. The lease ends with the stream
+        (once the last batch has been read, or when the caller stops early), so none is released."""
         stub = await self._stub_ready()
         call = stub.Watch(pb.WatchRequest(
             profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key, lease_ms=lease_ms,
             request_id=request_id), timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        left = len(hashes) + bool(tail_key)
         try:
-            async for event in call:
+            while left:
+                event = await call.read()
+                if event is grpc.aio.EOF:
+                    raise Unavailable(f"the store ended a watch with {left} blocks still to deliver")
+                left -= len(event.indices)
                 yield WatchBatch(event.lease_id, list(event.indices), slots_from_pb(event.slots))
         finally:
             call.cancel()
@@ -320,20 +333,39 @@ class StoreClient:
 
     def release_soon(self, lease_id: str) -> None:
         """End a lease without waiting for the answer: a reader has its bytes once the read
-        returns, and its next step should not wait a round trip for the store to unpin. The
-        call runs as a task this client owns; close() waits for those still in flight."""
-        task = asyncio.ensure_future(self._release_quietly(lease_id))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        returns, and its next step should not wait a round trip for the store to unpin. Releases
+        asked for while one call is on its way travel together in the next (one call for many
+        under load). The calls run as a task this client owns; close() waits for it."""
+        self._to_release.append(lease_id)
+        if self._releasing is None:
+            self._releasing = asyncio.ensure_future(self._release_pending())
 
     async def _release_quietly(self, lease_id: str) -> None:
+        """End a lease and wait for it (a failed writer's, so that a retry finds its slots fenced)."""
         try:
             await self.release(lease_id)
         except grpc.aio.AioRpcError as e:
-            # The store lapses a lease on its own: one already ended is not a failure here.
-            if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            if e.code().name not in _ALREADY_ENDED:
                 log.warning("lease release failed; the store lapses it on its own", lease_id=lease_id,
                             code=e.code().name, message=e.details())
+
+    async def _release_pending(self) -> None:
+        try:
+            await asyncio.sleep(0)  # what else this moment releases goes in the same call
+            while self._to_release:
+                ids, self._to_release = self._to_release, []
+                try:
+                    resp = await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids))
+                except grpc.aio.AioRpcError as e:
+                    log.warning("lease release failed; the store lapses them on its own", leases=len(ids),
+                                code=e.code().name, message=e.details())
+                    continue
+                for r in resp.refused:
+                    if r.code not in _ALREADY_ENDED:
+                        log.warning("lease release refused; the store lapses it on its own", lease_id=r.lease_id,
+                                    code=r.code, message=r.message)
+        finally:
+            self._releasing = None  # (no await since the loop's last check: nothing queued is stranded)
 
     def _require_transfer(self) -> Transfer:
         if self.transfer is None:

@@ -199,18 +199,32 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "lease_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
-    __slots__ = ("unpinned", "reclaimed")
+    __slots__ = ("unpinned", "reclaimed", "refused")
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     unpinned: int
     reclaimed: int
-    def __init__(self, unpinned: _Optional[int] = ..., reclaimed: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[LeaseRefusal]
+    def __init__(self, unpinned: _Optional[int] = ..., reclaimed: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[LeaseRefusal, _Mapping]]] = ...) -> None: ...
+
+class LeaseRefusal(_message.Message):
+    __slots__ = ("lease_id", "code", "message")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    code: str
+    message: str
+    def __init__(self, lease_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PutBytesHeader(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "tail_lease_ms", "request_id")

@@ -128,8 +128,10 @@ class KVStoreServicer:
 
     def Watch(self, request, context):
         """Reader: like Get, but waits for blocks not yet committed and streams each as it is
-        committed (already pinned under the watch's lease). Ends when all are delivered, on the
-        deadline, or when the client cancels.
+        committed (already pinned under the watch's lease). The lease lives as long as the stream:
+        once every block is delivered the stream stays open while the reader reads them, and when
+        the client ends it (cancels: done reading, or gone) or its deadline passes, the lease ends
+        with it. No ReleaseLease is needed after a watch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,7 +146,7 @@ class KVStoreServicer:
 
     def ReleaseLease(self, request, context):
         """End a lease: reads unpin; a write lease's uncommitted slots are fenced (quarantined) and
-        then reclaimed.
+        then reclaimed. Several at once with lease_ids (a client's releases of one moment, in one call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

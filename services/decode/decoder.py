@@ -213,27 +213,17 @@ class Decoder:
         if not pages:
             return
         store = self.w.store
-        lease = ""
-        got = 0
+        # The watch's lease pins what it delivered until the iteration ends, then goes with its stream.
         async with aclosing(store.watch(keys, tail_key, rid, self.w.cfg.lease_ms, timeout_s=24 * 3600)) as batches:
             async for batch in batches:
-                lease = batch.lease_id
                 # Verified off the engine thread: these pages are reserved and not yet decoded from.
                 # (Staged: copied into the pages only when verified, on leaving the block.)
                 async with self.w.pages.inbound([pages[i] for i in batch.indices]) as addrs:
                     bad = await store.read_slots(batch.slots, addrs)
                     if bad:
                         at = [batch.indices[i] for i in bad]
-                        try:
-                            await asyncio.shield(store.report_corrupt(lease, [keys[i] for i in at if i < len(keys)],
-                                                                      len(keys) in at))
-                        finally:
-                            store.release_soon(lease)
+                        named = [keys[i] for i in at if i < len(keys)]
+                        await asyncio.shield(store.report_corrupt(batch.lease_id, named, len(keys) in at))
                         raise CorruptKV(f"KV blocks {at[:5]} of request {rid!r} fail their checksum: dropped from "
                                         "the store; retry the request to recompute them")
-                got += len(batch.indices)
                 entry.last_activity = time.monotonic()
-                if got == len(pages):
-                    break
-        if lease:
-            store.release_soon(lease)

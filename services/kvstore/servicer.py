@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from collections import Counter
 
 from pdserve import logs
-from pdserve.errors import DataLoss, InvalidArgument
+from pdserve.errors import DataLoss, InvalidArgument, PdserveError
 from pdserve.kv.checksum import checksum_of
 from pdserve.kv.layout import HashProfile
 from pdserve.rpc.convert import hashes_from_pb, profile_to_pb, require_profile
@@ -138,8 +139,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.RenewLeaseResponse(lease_deadline_unix_ms=_unix_ms(deadline))
 
     async def ReleaseLease(self, request, context):
-        unpinned, fenced = self.store.release(client_id(context), request.lease_id)
-        return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=fenced)
+        owner = client_id(context)
+        if not request.lease_ids:
+            unpinned, fenced = self.store.release(owner, request.lease_id)
+            return pb.ReleaseLeaseResponse(unpinned=unpinned, reclaimed=fenced)
+        if request.lease_id:
+            raise InvalidArgument("ReleaseLease: give lease_id or lease_ids, not both")
+        out = pb.ReleaseLeaseResponse()
+        for lease_id in request.lease_ids:
+            try:
+                unpinned, fenced = self.store.release(owner, lease_id)
+            except PdserveError as e:
+                out.refused.add(lease_id=lease_id, code=e.code.name, message=str(e))
+                continue
+            out.unpinned += unpinned
+            out.reclaimed += fenced
+        return out
 
     async def ReportCorrupt(self, request, context):
         hashes = self._hashes(None, request.block_hashes)
@@ -162,10 +177,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 delivered += len(ready)
                 yield pb.WatchEvent(lease_id=watcher.lease.lease_id, indices=[i for i, _ in ready],
                                     slots=self._read_list([b for _, b in ready]))
+            # Every block delivered: the client reads them, then ends the stream (or its deadline
+            # or keepalive does), and the lease goes with it: no release call needed.
+            await asyncio.get_running_loop().create_future()
         finally:
-            # Complete: the client reads, then releases (or the lease lapses). Cut short: the
-            # client is gone or gave up, so nothing it pinned may stay pinned.
-            self.store.end_watch(watcher, release=delivered < total)
+            self.store.end_watch(watcher)
 
     async def PutBytes(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)

@@ -225,8 +225,8 @@ class BlockStore:
         for watcher, blocks in ready.values():
             self._deliver(watcher, blocks)
 
-    def end_watch(self, watcher: Watcher, release: bool) -> None:
-        """The Watch stream ended: stop waiting; release its pins too when the client is gone."""
+    def end_watch(self, watcher: Watcher) -> None:
+        """The Watch stream ended (the reader is done or gone): stop waiting, and end its lease."""
         for key in watcher.wanted:
             waiting = self.waiting.get(key, [])
             if watcher in waiting:
@@ -234,10 +234,8 @@ class BlockStore:
                 if not waiting:
                     del self.waiting[key]
         watcher.lease.watching = False
-        if release:
-            self._end(watcher.lease, "been released")
-        else:
-            watcher.lease.deadline = max(watcher.lease.deadline, self.clock() + self.leases.default_s)
+        if watcher.lease.lease_id in self.leases:
+            self._end(watcher.lease, "ended with its watch")
 
     def num_waiting(self) -> int:
         return sum(len(w) for w in self.waiting.values())
