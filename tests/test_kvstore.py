@@ -264,6 +264,28 @@ def test_watch_is_told_of_each_commit(small_store):
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended with its watch" in e.value.details()
 
 
+def test_a_watch_the_client_never_ends_ends_at_its_deadline(small_store):
+    """Every block delivered, the stream stays open for the reader; a client that neither reads
+    on nor cancels holds its lease only to the call's deadline."""
+    c = LocalClient(small_store.address)
+    c.put(16, [0])
+
+    async def scenario(client: StoreClient):
+        stub = await client._stub_ready()
+        call = stub.Watch(pb.WatchRequest(profile=client.profile_pb, block_hashes=block_hash(16, 0)),
+                          timeout=1.0, metadata=client._metadata)
+        event = await call.read()
+        held = await client.stats()
+        code = await call.code()  # (not read on, not cancelled: the deadline ends it)
+        await asyncio.sleep(0.2)
+        return event, held, code, await client.stats()
+
+    event, held, code, after = c.call(scenario)
+    assert list(event.indices) == [0] and held.active_leases == 1 and tier_stats(held)["device"]["pinned"] == 1
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert after.active_leases == 0 and tier_stats(after)["device"]["pinned"] == 0
+
+
 def test_releases_of_one_moment_travel_in_one_call(small_store):
     """release_soon coalesces: three read leases end in one ReleaseLease call. A batch lists what
     it could not end (unknown, another client's) and ends the rest."""
