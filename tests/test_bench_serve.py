@@ -215,16 +215,19 @@ def test_compare_on_two_store_nodes_runs_both_and_reports_against_the_pooled_bou
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a router CPU of its own needs two CPUs")
 def test_compare_can_give_the_router_and_the_load_generator_a_cpu_of_their_own(tmp_path):
     """--router-cpus: the router and the client on those CPUs, the store and the workers on the
-    rest (read from the running processes); every request served."""
+    rest (read from the running processes); every request served, in each of two rounds, and the
+    store's calls counted per request (one Watch each: decode's)."""
     mine = sorted(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "compare", "--workload", "shared-prefix",
                           "--engine", "mock", "--prefill", "1", "--decode", "1", "--modes", "disagg",
                           "--policies", "cache_aware", "--max-requests", "6", "--max-output", "4",
-                          "--prefix-tokens", "256", "--router-cpus", str(mine[0]), "--out", str(tmp_path), "--json"],
+                          "--prefix-tokens", "256", "--router-cpus", str(mine[0]), "--rounds", "2",
+                          "--out", str(tmp_path), "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = json.loads(out.stdout)["runs"]
-    assert (run["summary"]["ok"], run["summary"]["requests"]) == (6, 6)
+    assert (run["rounds"], run["summary"]["ok"], run["summary"]["requests"]) == (2, 12, 12)
+    assert run["store_calls_per_request"]["Watch"] == 1.0 and len(run["stores"]) == 2
     assert run["cpus"] == {"kvstore-0": mine[1:], "prefill-0": mine[1:], "decode-0": mine[1:], "router": mine[:1],
                            "client": mine[:1]}
     assert sorted(os.sched_getaffinity(0)) == mine  # (the test's own process is untouched)

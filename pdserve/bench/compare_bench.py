@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.deploy import Deployment, DeploySpec
@@ -54,7 +55,20 @@ def hit_breakdown(records, block_size: int) -> dict[str, float]:
             "realised": block_hit_ratio(records, block_size)}
 
 
-def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
+@dataclass
+class Round:
+    """One deployment's pass over the workload: what `describe` pools over a configuration's rounds."""
+    records: list
+    wall_s: float
+    client_lag: list[float]
+    sweep: dict[float, float]
+    router: dict[str, dict]  # the router's own histograms' quantiles, by name
+    coefficients: dict[str, float]
+    stores: list[dict]
+    cpus: dict[str, list[int]]
+
+
+def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> Round:
     """One deployment; the workload once (its own times or --rate), or once per --rates entry."""
     rates = [float(r) for r in args.rates.split(",")] if args.rates else []
     sweep: dict[float, float] = {}
@@ -74,23 +88,36 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> dict:
         stores = dep.store_stats()
     finally:
         dep.stop()
-    summary = summarize(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)
-    # Where a client-side figure waited: in the router itself, on its loop, or on the client's loop.
-    summary["router_refusal_ms"] = dep.histogram_quantiles(samples, "refusal_ms")
-    summary["router_loop_lag_ms"] = dep.histogram_quantiles(samples, "loop_lag_ms")
-    # In gRPC's queue before the router's handler took the call (the SDK says its timeout).
-    summary["router_before_handler_ms"] = dep.histogram_quantiles(samples, "before_handler_ms")
-    summary["client_loop_lag_ms"] = {f"p{q}": percentile(client_lag, q) for q in (50, 99)}
+    # Where a client-side figure waited: in the router itself, on its loop, or in gRPC's queue
+    # before the router's handler took the call (the SDK says its timeout).
+    router = {f"router_{name}": dep.histogram_quantiles(samples, name)
+              for name in ("refusal_ms", "loop_lag_ms", "before_handler_ms")}
+    coefficients = {k.removeprefix("router_ttft_"): v for k, v in gauges.items() if k.startswith("router_ttft_")}
+    return Round(records, wall, client_lag, sweep, router, coefficients, stores, cpus)
+
+
+def describe(spec: DeploySpec, rounds: list[Round], args) -> dict:
+    """A configuration's figures over its rounds' requests together (the router's own histograms:
+    its worst round's)."""
+    records = [r for rnd in rounds for r in rnd.records]
+    summary = summarize(records, sum(rnd.wall_s for rnd in rounds), args.slo_ttft_ms, args.slo_tpot_ms)
+    for name in rounds[0].router:
+        seen = [rnd.router[name] for rnd in rounds if rnd.router[name]]
+        summary[name] = max(seen, key=lambda q: q["p99_at_most"]) if seen else {}
+    lag = [x for rnd in rounds for x in rnd.client_lag]
+    summary["client_loop_lag_ms"] = {f"p{q}": percentile(lag, q) for q in (50, 99)}
     route_ms = [r.route_ms for r in records if r.ok]
+    stores = [st for rnd in rounds for st in rnd.stores]
+    sweep = rounds[0].sweep
     return {"mode": spec.mode, "policy": spec.policy, "engine": spec.engine, "prefill": spec.prefill,
-            "decode": spec.decode, "summary": summary, "block_hit_ratio": block_hit_ratio(records, spec.block_size),
+            "decode": spec.decode, "rounds": len(rounds), "summary": summary,
+            "block_hit_ratio": block_hit_ratio(records, spec.block_size),
             "hit_breakdown": hit_breakdown(records, spec.block_size),
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
             "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None,
-            "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores, "cpus": cpus,
-            "store_calls_per_request": _calls_per_request(stores, sum(r.ok for r in records)),
-            "ttft_coefficients": {k.removeprefix("router_ttft_"): v for k, v in gauges.items()
-                                  if k.startswith("router_ttft_")}}
+            "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores,
+            "cpus": rounds[0].cpus, "store_calls_per_request": _calls_per_request(stores, sum(r.ok for r in records)),
+            "ttft_coefficients": rounds[-1].coefficients}
 
 
 def _calls_per_request(stores: list[dict], served: int) -> dict[str, float]:
@@ -209,15 +236,20 @@ def node_specs(args) -> list[tuple[str, DeploySpec]]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.rounds < 1 or (args.rounds > 1 and args.rates):
+        raise SystemExit("--rounds must be at least 1, and 1 with --rates")
     reqs = build_workload(args)
-    runs = []
     if args.store_nodes > 1:
-        for topology, spec in node_specs(args):
-            runs.append({**run_config(spec, reqs, args), "topology": f"{args.store_nodes} nodes, {topology}"})
+        configs = [({"topology": f"{args.store_nodes} nodes, {topology}"}, spec) for topology, spec in node_specs(args)]
     else:
-        for mode in args.modes.split(","):
-            for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"]):
-                runs.append(run_config(_spec(args, mode, policy), reqs, args))
+        configs = [({}, _spec(args, mode, policy)) for mode in args.modes.split(",")
+                   for policy in (args.policies.split(",") if mode == "disagg" else ["least_loaded"])]
+    # Rounds alternate the order (A B, B A, ...): a host that drifts over the run weighs on each alike.
+    rounds: list[list[Round]] = [[] for _ in configs]
+    for k in range(args.rounds):
+        for i in (range(len(configs)) if k % 2 == 0 else reversed(range(len(configs)))):
+            rounds[i].append(run_config(configs[i][1], reqs, args))
+    runs = [{**describe(spec, rounds[i], args), **extra} for i, (extra, spec) in enumerate(configs)]
     capacity = (args.prefill * args.worker_cache_tokens + args.store_cache_tokens
                 + (args.store_nodes * args.cluster_segment_tokens if args.store_nodes > 1 else 0)) // 16
     doc = {"workload": args.workload, "machine": machine(), "runs": runs,
@@ -282,6 +314,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster-segment-tokens", type=int, default=16384,
                    help="--store-nodes: each node's segment of the cluster tier, in tokens it holds (isolated: as "
                         "more DRAM)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each configuration this many times, alternating their order (A B B A ...), and "
+                        "report each over all its requests: the host's drift falls on every configuration alike")
     p.add_argument("--out", default="bench-out/compare")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
