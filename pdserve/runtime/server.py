@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,11 +151,22 @@ def _passed_on(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return code, details
 
 
+_CANCELLED_BY_CALL: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # handler tasks a Cancel call ended
+
+
+def cancel_for_call(task: asyncio.Task) -> None:
+    """Cancel a handler's task because a Cancel call asked for it: its caller is told CANCELLED at
+    once rather than left waiting to its deadline."""
+    _CANCELLED_BY_CALL.add(task)
+    task.cancel()
+
+
 async def _cancelled_here(context: grpc.aio.ServicerContext) -> None:
-    """The handler was cancelled by this service (a Cancel RPC), not by its caller: end the call
-    with CANCELLED now, or the caller would wait for it to its deadline."""
-    if context.cancelled() or context.done():
-        return  # the caller went away: there is no one to tell
+    """A handler was cancelled: by a Cancel call (`cancel_for_call`), end its call with CANCELLED
+    now. Otherwise its caller cancelled or its deadline passed, and there is no one to tell (the
+    server context's cancelled() does not say so: it reads False after a client's cancel)."""
+    if asyncio.current_task() not in _CANCELLED_BY_CALL:
+        return
     try:
         await context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled (a Cancel call)")
     except grpc.aio.AbortError:

@@ -20,6 +20,7 @@ from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pdserve.model.tokenizer import TextStream
 from pdserve.runtime import telemetry
+from pdserve.runtime.server import cancel_for_call
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.engine_thread import Progress, next_event
 
@@ -96,7 +97,7 @@ class Decoder:
         entry = self.inflight.get(request_id)
         if entry is None or entry.task is None:
             return False
-        entry.task.cancel()
+        cancel_for_call(entry.task)
         return True
 
     async def generate(self, req: DecodeInput) -> AsyncIterator[Admitted | Token | Done]:

@@ -17,6 +17,7 @@ from pdserve.engine.sequence import FinishReason, TokenEvent
 from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pdserve.kvclient.results import PENDING, WRITE, Allocation
 from pdserve.runtime import telemetry
+from pdserve.runtime.server import cancel_for_call
 from pdserve.worker.bootstrap import Worker
 from pdserve.worker.engine_thread import Progress, next_event
 
@@ -71,7 +72,7 @@ class Prefiller:
         task = self.inflight.get(request_id)
         if task is None:
             return False
-        task.cancel()
+        cancel_for_call(task)
         return True
 
     async def prefill(self, req: PrefillInput) -> AsyncIterator[PrefillOutput | HandoffDone]:
