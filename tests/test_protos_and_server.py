@@ -9,6 +9,7 @@ import sys
 import threading
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.kvstore_support import start_store
@@ -115,3 +116,51 @@ def test_bind_request_id_sets_what_every_log_line_of_the_context_carries():
 
     first, cleared = contextvars.copy_context().run(inside)
     assert first["request_id"] == "r-1" and cleared["request_id"] is None
+
+
+def test_a_handler_cut_short_inside_the_service_answers_cancelled_not_silence():
+    """A call the handler depends on is cancelled under it (its channel closed): the caller is told
+    CANCELLED at once rather than waiting to its deadline. A caller's own cancel is not answered."""
+    import asyncio
+    import time
+
+    from pdserve.runtime.server import ErrorInterceptor
+
+    ended: list[str] = []
+
+    class Health(health_pb2_grpc.HealthServicer):
+        port = 0
+
+        async def Watch(self, request, context):  # (a stream that waits until its caller goes)
+            yield health_pb2.HealthCheckResponse(status=SERVING)
+            try:
+                await asyncio.get_running_loop().create_future()
+            finally:
+                ended.append("watch")
+
+        async def Check(self, request, context):
+            inner = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+            call = health_pb2_grpc.HealthStub(inner).Watch(health_pb2.HealthCheckRequest())
+            await call.read()
+            asyncio.get_running_loop().call_later(0.1, lambda: asyncio.ensure_future(inner.close()))
+            await call.read()  # raises CancelledError when the channel closes: not the caller's doing
+            return health_pb2.HealthCheckResponse(status=SERVING)
+
+    async def scenario():
+        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        servicer = Health()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        servicer.port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servicer.port}") as ch:
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                return e.value.code(), e.value.details(), time.monotonic() - t0
+        finally:
+            await server.stop(0)
+
+    code, details, seconds = asyncio.run(scenario())
+    assert code == grpc.StatusCode.CANCELLED and "cut short" in details and seconds < 2.0
+    assert ended == ["watch"]  # the inner stream's handler saw its caller go

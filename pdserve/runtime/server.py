@@ -97,13 +97,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, max_request_bytes: int | None = None, calls: Counter[str] | None = None) -> None:
         self.max_request_bytes = max_request_bytes
-        self.calls = calls  # when given, counts every call by method name (e.g. "ReleaseLease")
+        self.calls = calls  # when given, counts every call by its full method name
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
 
     async def intercept_service(self, continuation, details):
         method = details.method
         if self.calls is not None:
-            self.calls[method.rpartition("/")[2]] += 1
+            self.calls[method] += 1
         wrapped = self._wrapped.get(method)
         if wrapped is None:
             handler = await continuation(details)
@@ -162,13 +162,18 @@ def cancel_for_call(task: asyncio.Task) -> None:
 
 
 async def _cancelled_here(context: grpc.aio.ServicerContext) -> None:
-    """A handler was cancelled: by a Cancel call (`cancel_for_call`), end its call with CANCELLED
-    now. Otherwise its caller cancelled or its deadline passed, and there is no one to tell (the
-    server context's cancelled() does not say so: it reads False after a client's cancel)."""
-    if asyncio.current_task() not in _CANCELLED_BY_CALL:
+    """A handler ended cancelled. When gRPC cancelled its task (the caller cancelled, or its
+    deadline passed) there is no one to tell: return. Otherwise the cancellation began in this
+    service (a Cancel call, `cancel_for_call`; or a call of its own cut short, e.g. its channel
+    closed) and the caller would wait for an answer to its deadline: end the call with CANCELLED
+    now. (The server context's cancelled() cannot tell: it reads False after a client's cancel.)"""
+    task = asyncio.current_task()
+    by_call = task in _CANCELLED_BY_CALL
+    if task.cancelling() and not by_call:
         return
+    why = "a Cancel call" if by_call else "a call this service depended on was cut short"
     try:
-        await context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled (a Cancel call)")
+        await context.abort(grpc.StatusCode.CANCELLED, f"the request was cancelled ({why})")
     except grpc.aio.AbortError:
         pass
     except Exception:  # noqa: BLE001 - the call may already be ending
@@ -302,7 +307,7 @@ async def build_server(
     `max_request_bytes`: larger requests are refused INVALID_ARGUMENT before they are parsed.
     `client_facing`: its RPCs take client API keys (the router's), and TLS asks no client
     certificate; otherwise every RPC takes the service token alone (see runtime.auth).
-    `calls`: counted into, by method name, for every call that reaches the handlers."""
+    `calls`: counted into, by full method name, for every call that reaches the handlers."""
     telemetry.setup_tracing(name)
     creds = auth.current()
     if (why := creds.refusal()) is not None:
