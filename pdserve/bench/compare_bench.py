@@ -64,7 +64,8 @@ class Round:
     sweep: dict[float, float]
     router: dict[str, dict]  # the router's own histograms' quantiles, by name
     coefficients: dict[str, float]
-    stores: list[dict]
+    stores: list[dict]  # each node's Stats, its calls counted over every pass (--rates)
+    served_all: int  # requests served over every pass (the last pass's are `records`)
     cpus: dict[str, list[int]]
 
 
@@ -72,6 +73,7 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> Round:
     """One deployment; the workload once (its own times or --rate), or once per --rates entry."""
     rates = [float(r) for r in args.rates.split(",")] if args.rates else []
     sweep: dict[float, float] = {}
+    served_all = 0
     dep = Deployment.start(spec)
     try:
         for k, rate in enumerate(rates or [args.rate]):
@@ -81,6 +83,7 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> Round:
                 cpus = {**dep.cpus(), "client": sorted(os.sched_getaffinity(0))}
                 records, wall = asyncio.run(run_load(dep.router.address, load, args.max_seconds, args.timeout_s,
                                                      not args.json, client_lag))
+            served_all += sum(r.ok for r in records)
             if rate and rates:
                 sweep[rate] = attainment(records, args.slo_ttft_ms, args.slo_tpot_ms)
         samples = dep.router_metrics()
@@ -93,7 +96,7 @@ def run_config(spec: DeploySpec, reqs: list[BenchRequest], args) -> Round:
     router = {f"router_{name}": dep.histogram_quantiles(samples, name)
               for name in ("refusal_ms", "loop_lag_ms", "before_handler_ms")}
     coefficients = {k.removeprefix("router_ttft_"): v for k, v in gauges.items() if k.startswith("router_ttft_")}
-    return Round(records, wall, client_lag, sweep, router, coefficients, stores, cpus)
+    return Round(records, wall, client_lag, sweep, router, coefficients, stores, served_all, cpus)
 
 
 def describe(spec: DeploySpec, rounds: list[Round], args) -> dict:
@@ -116,7 +119,8 @@ def describe(spec: DeploySpec, rounds: list[Round], args) -> dict:
             "route_ms": {f"p{q}": percentile(route_ms, q) for q in (50, 99)},
             "prefill_spread": _spread(records), "sweep": sweep, "goodput_rps": goodput(sweep) if sweep else None,
             "cached_tokens_cluster": sum(r.cached_cluster for r in records if r.ok), "stores": stores,
-            "cpus": rounds[0].cpus, "store_calls_per_request": _calls_per_request(stores, sum(r.ok for r in records)),
+            "cpus": rounds[0].cpus,
+            "store_calls_per_request": _calls_per_request(stores, sum(rnd.served_all for rnd in rounds)),
             "ttft_coefficients": rounds[-1].coefficients}
 
 

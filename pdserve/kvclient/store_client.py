@@ -356,9 +356,12 @@ class StoreClient:
                 ids, self._to_release = self._to_release, []
                 try:
                     resp = await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids))
-                except grpc.aio.AioRpcError as e:
+                except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - the next ones still go
+                    if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                        raise  # this task itself is cancelled (its loop is closing)
+                    # (A call cut short by its channel closing under it is not this task's cancellation.)
                     log.warning("lease release failed; the store lapses them on its own", leases=len(ids),
-                                code=e.code().name, message=e.details())
+                                error=str(e) or type(e).__name__)
                     continue
                 for r in resp.refused:
                     if r.code not in _ALREADY_ENDED:

@@ -25,6 +25,7 @@ _TIER = {DEVICE: pb.TIER_DEVICE, DRAM: pb.TIER_DRAM}
 _STATE = {SlotState.WRITE: pb.SLOT_STATE_WRITE, SlotState.PRESENT: pb.SLOT_STATE_PRESENT,
           SlotState.PENDING: pb.SLOT_STATE_PENDING}
 CHUNK_BYTES = 1024 * 1024  # bytes per GetBytes message
+_METHOD = "/pdserve.v1.KVStore/"  # (Stats reports the store's own calls, not health checks')
 
 
 def _unix_ms(deadline_monotonic: float) -> int:
@@ -270,4 +271,4 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             redis_connected=self.redis_connected(), corrupt_blocks=c.corrupt,
             fenced_blocks=self.store.blocks.num_fenced(),
             cluster=pb.ClusterStats(**self.cluster.counters.as_dict()) if self.cluster is not None else None,
-            calls=self.calls)
+            calls={m.removeprefix(_METHOD): n for m, n in self.calls.items() if m.startswith(_METHOD)})
