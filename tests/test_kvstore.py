@@ -300,7 +300,7 @@ def test_releases_of_one_moment_travel_in_one_call(small_store):
         before = (await client.stats()).calls.get("ReleaseLease", 0)
         for lease in leases:
             client.release_soon(lease)
-        await client._releasing
+        await client._releases.drain()
         mid = await client.stats()
         batch = await client._call("ReleaseLease", pb.ReleaseLeaseRequest(
             lease_ids=[leases[0], "0" * 32, other.lease_id]))

@@ -18,6 +18,7 @@ from pdserve import logs
 from pdserve.errors import Unavailable
 from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
+from pdserve.kvclient.releases import ALREADY_ENDED, ReleaseBatcher
 from pdserve.kvclient.results import (
     PENDING,
     PRESENT,
@@ -42,8 +43,6 @@ from pdserve.v1 import kvstore_pb2_grpc
 
 log = logs.get("kv.client")
 CLIENT_ID_KEY = "pdserve-client-id"
-# A lease the store ended already (lapsed, or with its watch) is no failure to release.
-_ALREADY_ENDED = ("NOT_FOUND", "FAILED_PRECONDITION")
 
 
 class StoreClient:
@@ -64,8 +63,7 @@ class StoreClient:
         self.segment = ""
         self.address_used = ""  # the store's Unix address when this host reaches it, else `target`
         self.block_nbytes = profile.layout.block_nbytes
-        self._to_release: list[str] = []  # release_soon()'s leases not yet sent
-        self._releasing: asyncio.Task | None = None  # the task sending them, while it runs
+        self._releases = ReleaseBatcher(lambda ids: self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids)))
         self._connecting: asyncio.Future | None = None
 
     async def connect(self) -> StoreInfo:
@@ -131,8 +129,7 @@ class StoreClient:
             await ch.close()
 
     async def close(self) -> None:
-        if self._releasing is not None:
-            await asyncio.gather(self._releasing, return_exceptions=True)
+        await self._releases.drain()
         await self._close_channels()
 
     # -- transfer-engine path: writes ---------------------------------------------------------
@@ -333,42 +330,18 @@ class StoreClient:
 
     def release_soon(self, lease_id: str) -> None:
         """End a lease without waiting for the answer: a reader has its bytes once the read
-        returns, and its next step should not wait a round trip for the store to unpin. Releases
-        asked for while one call is on its way travel together in the next (one call for many
-        under load). The calls run as a task this client owns; close() waits for it."""
-        self._to_release.append(lease_id)
-        if self._releasing is None:
-            self._releasing = asyncio.ensure_future(self._release_pending())
+        returns, and its next step should not wait a round trip for the store to unpin. Sent
+        with the others of its moment (`ReleaseBatcher`); close() waits for them."""
+        self._releases.add(lease_id)
 
     async def _release_quietly(self, lease_id: str) -> None:
         """End a lease and wait for it (a failed writer's, so that a retry finds its slots fenced)."""
         try:
             await self.release(lease_id)
         except grpc.aio.AioRpcError as e:
-            if e.code().name not in _ALREADY_ENDED:
+            if e.code().name not in ALREADY_ENDED:
                 log.warning("lease release failed; the store lapses it on its own", lease_id=lease_id,
                             code=e.code().name, message=e.details())
-
-    async def _release_pending(self) -> None:
-        try:
-            await asyncio.sleep(0)  # what else this moment releases goes in the same call
-            while self._to_release:
-                ids, self._to_release = self._to_release, []
-                try:
-                    resp = await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids))
-                except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - the next ones still go
-                    if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
-                        raise  # this task itself is cancelled (its loop is closing)
-                    # (A call cut short by its channel closing under it is not this task's cancellation.)
-                    log.warning("lease release failed; the store lapses them on its own", leases=len(ids),
-                                error=str(e) or type(e).__name__)
-                    continue
-                for r in resp.refused:
-                    if r.code not in _ALREADY_ENDED:
-                        log.warning("lease release refused; the store lapses it on its own", lease_id=r.lease_id,
-                                    code=r.code, message=r.message)
-        finally:
-            self._releasing = None  # (no await since the loop's last check: nothing queued is stranded)
 
     def _require_transfer(self) -> Transfer:
         if self.transfer is None:
