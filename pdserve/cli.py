@@ -8,8 +8,7 @@ import os
 import sys
 import time
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -34,6 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.local:
         print("pdserve generate: give --router HOST:PORT, or --local to run the engine here", file=sys.stderr)
         return 2
+    from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.model.config import parse_dtype
     from pdserve.model.loader import load_model
@@ -112,7 +112,8 @@ def _add_router_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="PEM CA of a router serving TLS (default: env PDSERVE_TLS_CA; none: plaintext)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benches: bool = True) -> argparse.ArgumentParser:
+    """Every subcommand; `benches` False leaves out the benches' own flags (`main` for a non-bench command)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (numbers, not tests)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    if not benches:
+        return parser
+    # (only for a bench: they import torch, which costs a client command seconds to start)
     from pdserve.bench import (
         api_bench,
         capacity_bench,
@@ -169,7 +173,8 @@ def prepare_bench() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(benches="bench" in argv).parse_args(argv)
     if args.command == "bench":
         prepare_bench()
     try:
