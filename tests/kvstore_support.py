@@ -29,8 +29,10 @@ FENCE_MS = 300  # the test stores' quarantine of abandoned write slots (a long o
 # here takes its transfer ports from a window no earlier start had (Mooncake's default range,
 # 15000-17000, stays for every other process). The first window depends on the process id: a
 # test run started right after another would otherwise find the first windows' ports in TIME_WAIT,
-# which refuses their bind for a minute (seen: every port of a store's window taken).
-_PORT_WINDOWS = itertools.count(17100 + 16 * (os.getpid() % 200), 16)
+# which refuses their bind for a minute (seen: every port of a store's window taken). Under
+# pytest-xdist each worker process has a range of its own (gw0 from 17100, gw1 from 24500).
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORT_WINDOWS = itertools.count(17100 + 7400 * _WORKER + 16 * (os.getpid() % 200), 16)
 
 
 class StoreProcess(ServiceProcess):
@@ -82,7 +84,7 @@ def transfer() -> Transfer:
 @cache
 def local_buffers() -> Buffers:
     """Registered once per process: registering memory that overlaps a dead registration fails."""
-    return Buffers(transfer(), 64)
+    return Buffers(transfer(), 320)
 
 
 class LocalClient:

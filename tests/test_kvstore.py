@@ -30,19 +30,24 @@ from tests.kvstore_support import (
 
 @pytest.mark.parametrize("n", [1, 5, 300])
 def test_write_then_read_across_processes_bit_exact(shared_redis_url, key_prefix, n):
+    """Written by a peer process, read back by this one (another process, its own transfer engine)."""
     store = start_store(shared_redis_url, key_prefix, device_blocks=128, dram_blocks=512)
     try:
         put = peer("put", store.address, "--seed", "11", "--n", str(n), "--tail")
         assert put == {"written": n + 1, "present": 0, "pending": 0, "slices": 1 if n + 1 <= 128 else 2}
-        got = peer("get", store.address, "--seed", "11", "--n", str(n), "--tail")
-        assert got == {"num_blocks": n, "has_tail": True, "ok": True, "slices": 1 if n + 1 <= 128 else 2,
-                       "corrupt": 0}
-        tiers = tier_stats(LocalClient(store.address).stats())
+        c = LocalClient(store.address)
+        c.buf.tensor.zero_()
+        hashes, addrs = [block_hash(11, i) for i in range(n)], [c.buf.addr(j) for j in range(n)]
+        got = c.call(StoreClient.get, hashes, addrs, "req-11", c.buf.addr(n))
+        assert (got.num_blocks, got.has_tail, got.slices, got.corrupt) == (n, True, 1 if n + 1 <= 128 else 2, 0)
+        assert [c.buf.block(j).equal(block_data(11, j)) for j in range(n)] == [True] * n
+        assert c.buf.block(n).equal(block_data(11, -1))
+        tiers = tier_stats(c.stats())
         # The tail was allocated last and is gone once read (a per-request block is read once).
         assert tiers["device"]["used"] == min(n, 128) and tiers["dram"]["used"] == max(0, n - 128)
-        assert peer("get", store.address, "--seed", "11", "--n", str(n), "--tail")["has_tail"] is False
-        again = peer("put", store.address, "--seed", "11", "--n", str(n))
-        assert again == {"written": 0, "present": n, "pending": 0, "slices": 0}
+        assert c.call(StoreClient.get, hashes, addrs, "req-11", c.buf.addr(n)).has_tail is False
+        again = c.put(11, list(range(n)))
+        assert (again.written, again.present, again.pending, again.slices) == (0, n, 0, 0)
     finally:
         store.stop()
 
