@@ -7,18 +7,6 @@ from tests.support import credentials
 
 credentials.install()  # before any test starts a process: every service runs with auth on
 
-# The longest files first (seconds each, run alone on 2 cores: docs/perf-log.md, S46). pytest-xdist
-# hands out whole files in collection order, so a long file collected last would run alone at the end.
-LONGEST_FIRST = ("test_kvstore.py", "test_bench_serve.py", "test_router_e2e.py", "test_cluster_tier.py",
-                 "test_kv_integrity.py", "test_disagg.py", "faults/test_redis_faults.py", "test_cli.py",
-                 "test_up_cli.py", "test_redis_cluster.py")
-
-
-def pytest_collection_modifyitems(items):
-    """Sorted by file, stably: each file's tests stay together and in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
-
 
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
