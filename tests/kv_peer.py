@@ -50,6 +50,15 @@ class Buffers:
         return self.tensor[i * self.nbytes : (i + 1) * self.nbytes]
 
 
+def read_back(buf: Buffers, seed: int, start: int, n: int, res) -> dict:
+    """A get's result, with `ok`: every block it counted (and its tail) holds the expected bytes."""
+    ok = all(torch.equal(buf.block(j), block_data(seed, start + j)) for j in range(res.num_blocks))
+    if res.has_tail:
+        ok = ok and torch.equal(buf.block(n), block_data(seed, -1))
+    return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices,
+            "corrupt": res.corrupt}
+
+
 async def run(args: argparse.Namespace) -> dict:
     transfer = Transfer()
     client = StoreClient(args.store, PROFILE, transfer)
@@ -96,11 +105,7 @@ async def run_op(args: argparse.Namespace, client: StoreClient, transfer: Transf
         await hold(client, resp.lease_id)
     if args.op == "get":
         res = await client.get(hashes, [buf.addr(j) for j in range(args.n)], tail, buf.addr(args.n))
-        ok = all(torch.equal(buf.block(j), block_data(args.seed, args.start + j)) for j in range(res.num_blocks))
-        if res.has_tail:
-            ok = ok and torch.equal(buf.block(args.n), block_data(args.seed, -1))
-        return {"num_blocks": res.num_blocks, "has_tail": res.has_tail, "ok": ok, "slices": res.slices,
-                "corrupt": res.corrupt}
+        return read_back(buf, args.seed, args.start, args.n, res)
     if args.op == "watch":
         order, ok = [], True
         print("READY", flush=True)

@@ -16,7 +16,7 @@ import redis
 from pdserve.cluster.keys import RedisKeys
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.kvclient.transfer import Transfer
-from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffers, block_data, block_hash
+from tests.kv_peer import FINGERPRINT_FLAG, LAYOUT, LAYOUT_FLAG, PROFILE, Buffers, block_data, block_hash, read_back
 from tests.support.procs import ROOT, ServiceProcess
 
 BLOCK = LAYOUT.block_nbytes
@@ -110,6 +110,14 @@ class LocalClient:
         hashes = [block_hash(seed, i) for i in indices]
         return self.call(StoreClient.put, hashes, [self.buf.addr(j) for j in range(len(indices))],
                          writer_keeps_copy=writer_keeps_copy)
+
+    def get(self, seed: int, n: int, tail: bool = False) -> dict:
+        """Blocks 0..n-1 of `seed` (and its tail) read into zeroed local memory, reported as the
+        peer's `get` reports them (`ok`: every block read holds its bytes)."""
+        self.buf.tensor.zero_()
+        res = self.call(StoreClient.get, [block_hash(seed, i) for i in range(n)], [self.buf.addr(j) for j in range(n)],
+                        f"req-{seed}" if tail else "", self.buf.addr(n))
+        return read_back(self.buf, seed, 0, n, res)
 
     def stats(self):
         return self.call(StoreClient.stats)

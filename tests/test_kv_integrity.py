@@ -16,7 +16,7 @@ from pdserve.kvclient.transfer import Span
 from pdserve.rpc.convert import profile_from_pb
 from services.router.dispatch import DispatchError
 from tests.kv_peer import block_data, block_hash
-from tests.kvstore_support import LocalClient, peer, spawn_peer, start_store, tier_stats, transfer, wait_for, wait_ready
+from tests.kvstore_support import LocalClient, spawn_peer, start_store, tier_stats, transfer, wait_for, wait_ready
 from tests.support.stack import Stack, run, store_stats
 from tests.test_disagg import expected, prompt, run_one
 
@@ -43,13 +43,13 @@ def test_a_writer_stalled_past_its_lease_never_gets_its_bytes_served(shared_redi
         assert stale.returncode == 0, err[-2000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert result["commit"] == "FAILED_PRECONDITION" and "has lapsed" in result["details"]
-        got = peer("get", store.address, "--seed", "51", "--n", "2")
+        got = c.get(51, 2)
         assert got == {"num_blocks": 0, "has_tail": False, "ok": True, "slices": 1, "corrupt": 2}
         assert c.stats().corrupt_blocks == 2
-        assert peer("get", store.address, "--seed", "51", "--n", "2")["num_blocks"] == 0  # dropped: never again
-        assert peer("get", store.address, "--seed", "50", "--n", "2")["num_blocks"] == 0  # never committed
+        assert c.get(51, 2)["num_blocks"] == 0  # dropped: never again
+        assert c.get(50, 2)["num_blocks"] == 0  # never committed
         assert c.put(51, [0, 1]).written == 2
-        assert peer("get", store.address, "--seed", "51", "--n", "2") == {
+        assert c.get(51, 2) == {
             "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
         _assert_store_clean(c)
         assert tier_stats(c.stats())["device"]["used"] == 2
@@ -69,7 +69,7 @@ def test_a_stalled_writer_inside_the_quarantine_lands_in_fenced_slots_only(share
         assert c.put(53, [0, 1]).written == 2  # the other two slots
         out, _ = stale.communicate("go\n", timeout=30)
         assert json.loads(out.strip().splitlines()[-1])["commit"] == "FAILED_PRECONDITION"
-        assert peer("get", store.address, "--seed", "53", "--n", "2") == {
+        assert c.get(53, 2) == {
             "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
         with pytest.raises(grpc.aio.AioRpcError) as err:
             c.put(55, [0, 1, 2, 3])  # two slots fenced, two evictable, one free in DRAM: no room for four
@@ -85,7 +85,7 @@ def test_put_bytes_never_replaces_the_bytes_of_a_stored_block(small_store):
     other = bytes(block_data(61, 0).numpy()) + bytes(block_data(61, 1).numpy())
     resp = c.call(StoreClient.put_bytes, [block_hash(60, 0), block_hash(60, 1)], other)
     assert resp == (0, 2)
-    assert peer("get", small_store.address, "--seed", "60", "--n", "2") == {
+    assert c.get(60, 2) == {
         "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
     n, _, data = c.call(StoreClient.get_bytes, [block_hash(60, 0), block_hash(60, 1)])
     assert n == 2 and data == bytes(block_data(60, 0).numpy()) + bytes(block_data(60, 1).numpy())

@@ -36,16 +36,12 @@ def test_write_then_read_across_processes_bit_exact(shared_redis_url, key_prefix
         put = peer("put", store.address, "--seed", "11", "--n", str(n), "--tail")
         assert put == {"written": n + 1, "present": 0, "pending": 0, "slices": 1 if n + 1 <= 128 else 2}
         c = LocalClient(store.address)
-        c.buf.tensor.zero_()
-        hashes, addrs = [block_hash(11, i) for i in range(n)], [c.buf.addr(j) for j in range(n)]
-        got = c.call(StoreClient.get, hashes, addrs, "req-11", c.buf.addr(n))
-        assert (got.num_blocks, got.has_tail, got.slices, got.corrupt) == (n, True, 1 if n + 1 <= 128 else 2, 0)
-        assert [c.buf.block(j).equal(block_data(11, j)) for j in range(n)] == [True] * n
-        assert c.buf.block(n).equal(block_data(11, -1))
+        assert c.get(11, n, tail=True) == {"num_blocks": n, "has_tail": True, "ok": True,
+                                           "slices": 1 if n + 1 <= 128 else 2, "corrupt": 0}
         tiers = tier_stats(c.stats())
         # The tail was allocated last and is gone once read (a per-request block is read once).
         assert tiers["device"]["used"] == min(n, 128) and tiers["dram"]["used"] == max(0, n - 128)
-        assert c.call(StoreClient.get, hashes, addrs, "req-11", c.buf.addr(n)).has_tail is False
+        assert c.get(11, n, tail=True)["has_tail"] is False
         again = c.put(11, list(range(n)))
         assert (again.written, again.present, again.pending, again.slices) == (0, n, 0, 0)
     finally:
@@ -185,7 +181,7 @@ def test_pinned_blocks_survive_and_full_store_refuses(small_store):
         s = tier_stats(c.stats())
         full = {"used": 4, "pinned": 4, "evictions": 0}
         assert s == {"device": full, "dram": full}
-        assert peer("get", small_store.address, "--seed", "2", "--n", "4")["ok"]
+        assert c.get(2, 4) == {"num_blocks": 4, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
     finally:
         for h in (holder_a, holder_b):
             if h:
@@ -211,7 +207,7 @@ def test_killed_reader_and_writer_leases_lapse(small_store):
     elapsed = wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0, 3.5)
     assert elapsed < 3.5
     assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
-    assert peer("get", small_store.address, "--seed", "6", "--n", "1") == {
+    assert c.get(6, 1) == {
         "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0, "corrupt": 0}
 
 
@@ -226,7 +222,8 @@ def test_two_writers_of_the_same_blocks(shared_redis_url, key_prefix):
             results.append(__import__("json").loads(out.strip().splitlines()[-1]))
         assert sum(r["written"] for r in results) == 20  # one copy of each block
         assert tier_stats(LocalClient(store.address).stats())["device"]["used"] == 20
-        assert peer("get", store.address, "--seed", "9", "--n", "20")["ok"]
+        assert LocalClient(store.address).get(9, 20) == {"num_blocks": 20, "has_tail": False, "ok": True, "slices": 1,
+                                                          "corrupt": 0}
     finally:
         store.stop()
 
@@ -352,7 +349,7 @@ def test_bytes_path_and_cross_path(small_store):
     resp = c.call(StoreClient.put_bytes, hashes, data + bytes(block_data(20, -1).numpy()), tail_key="req-20",
                   tail_lease_ms=5000, chunk_bytes=7000)
     assert resp == (4, 0)
-    assert peer("get", small_store.address, "--seed", "20", "--n", "3", "--tail") == {
+    assert c.get(20, 3, tail=True) == {
         "num_blocks": 3, "has_tail": True, "ok": True, "slices": 1, "corrupt": 0}
     c.put(21, [0, 1])
     n, has_tail, got = c.call(StoreClient.get_bytes, [block_hash(21, 0), block_hash(21, 1), block_hash(21, 9)])
@@ -369,7 +366,7 @@ def test_redis_down_store_serves_and_index_is_rebuilt(private_redis, key_prefix)
         assert tiers_in_redis(private_redis.url, key_prefix, 40, [0, 1], expect=want) == want
         private_redis.stop()
         c.put(40, [2, 3])
-        assert peer("get", store.address, "--seed", "40", "--n", "4")["ok"]
+        assert c.get(40, 4) == {"num_blocks": 4, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
         wait_for(lambda: not c.stats().redis_connected, 5)
         private_redis.start()  # same port, empty
         want = {i: "device" for i in range(4)}

@@ -14,7 +14,7 @@ from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import common_pb2
 from pdserve.v1 import kvstore_pb2 as pb
 from tests.kv_peer import block_hash
-from tests.kvstore_support import BLOCK, LocalClient, peer, tier_stats, wait_for
+from tests.kvstore_support import BLOCK, LocalClient, tier_stats, wait_for
 
 
 def _code(fn) -> tuple[grpc.StatusCode, str]:
@@ -86,7 +86,7 @@ def test_bad_input_gets_clear_status_and_store_stays_healthy(small_store):
     s = c.stats()
     assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 0, "pinned": 0, "evictions": 0}
     c.put(1, [0, 1])
-    assert peer("get", small_store.address, "--seed", "1", "--n", "2")["ok"]
+    assert c.get(1, 2) == {"num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
 
 
 def test_a_commit_on_a_closed_or_lapsed_lease_is_refused_never_answered_as_done(small_store):
