@@ -174,7 +174,7 @@ def prepare_bench() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(benches="bench" in argv).parse_args(argv)
+    args = build_parser(benches=argv[:1] == ["bench"]).parse_args(argv)
     if args.command == "bench":
         prepare_bench()
     try:

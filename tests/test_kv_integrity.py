@@ -49,8 +49,7 @@ def test_a_writer_stalled_past_its_lease_never_gets_its_bytes_served(shared_redi
         assert c.get(51, 2)["num_blocks"] == 0  # dropped: never again
         assert c.get(50, 2)["num_blocks"] == 0  # never committed
         assert c.put(51, [0, 1]).written == 2
-        assert c.get(51, 2) == {
-            "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
+        assert c.get(51, 2) == {"num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
         _assert_store_clean(c)
         assert tier_stats(c.stats())["device"]["used"] == 2
     finally:
@@ -69,8 +68,7 @@ def test_a_stalled_writer_inside_the_quarantine_lands_in_fenced_slots_only(share
         assert c.put(53, [0, 1]).written == 2  # the other two slots
         out, _ = stale.communicate("go\n", timeout=30)
         assert json.loads(out.strip().splitlines()[-1])["commit"] == "FAILED_PRECONDITION"
-        assert c.get(53, 2) == {
-            "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
+        assert c.get(53, 2) == {"num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
         with pytest.raises(grpc.aio.AioRpcError) as err:
             c.put(55, [0, 1, 2, 3])  # two slots fenced, two evictable, one free in DRAM: no room for four
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -85,8 +83,7 @@ def test_put_bytes_never_replaces_the_bytes_of_a_stored_block(small_store):
     other = bytes(block_data(61, 0).numpy()) + bytes(block_data(61, 1).numpy())
     resp = c.call(StoreClient.put_bytes, [block_hash(60, 0), block_hash(60, 1)], other)
     assert resp == (0, 2)
-    assert c.get(60, 2) == {
-        "num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
+    assert c.get(60, 2) == {"num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
     n, _, data = c.call(StoreClient.get_bytes, [block_hash(60, 0), block_hash(60, 1)])
     assert n == 2 and data == bytes(block_data(60, 0).numpy()) + bytes(block_data(60, 1).numpy())
     _assert_store_clean(c)

@@ -207,8 +207,7 @@ def test_killed_reader_and_writer_leases_lapse(small_store):
     elapsed = wait_for(lambda: c.stats().active_leases == 0 and c.stats().fenced_blocks == 0, 3.5)
     assert elapsed < 3.5
     assert tier_stats(c.stats())["device"] == {"used": 2, "pinned": 0, "evictions": 0}
-    assert c.get(6, 1) == {
-        "num_blocks": 0, "has_tail": False, "ok": True, "slices": 0, "corrupt": 0}
+    assert c.get(6, 1) == {"num_blocks": 0, "has_tail": False, "ok": True, "slices": 0, "corrupt": 0}
 
 
 def test_two_writers_of_the_same_blocks(shared_redis_url, key_prefix):
@@ -221,9 +220,9 @@ def test_two_writers_of_the_same_blocks(shared_redis_url, key_prefix):
             assert p.returncode == 0, err[-2000:]
             results.append(__import__("json").loads(out.strip().splitlines()[-1]))
         assert sum(r["written"] for r in results) == 20  # one copy of each block
-        assert tier_stats(LocalClient(store.address).stats())["device"]["used"] == 20
-        assert LocalClient(store.address).get(9, 20) == {"num_blocks": 20, "has_tail": False, "ok": True, "slices": 1,
-                                                          "corrupt": 0}
+        c = LocalClient(store.address)
+        assert tier_stats(c.stats())["device"]["used"] == 20
+        assert c.get(9, 20) == {"num_blocks": 20, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
     finally:
         store.stop()
 
@@ -349,8 +348,7 @@ def test_bytes_path_and_cross_path(small_store):
     resp = c.call(StoreClient.put_bytes, hashes, data + bytes(block_data(20, -1).numpy()), tail_key="req-20",
                   tail_lease_ms=5000, chunk_bytes=7000)
     assert resp == (4, 0)
-    assert c.get(20, 3, tail=True) == {
-        "num_blocks": 3, "has_tail": True, "ok": True, "slices": 1, "corrupt": 0}
+    assert c.get(20, 3, tail=True) == {"num_blocks": 3, "has_tail": True, "ok": True, "slices": 1, "corrupt": 0}
     c.put(21, [0, 1])
     n, has_tail, got = c.call(StoreClient.get_bytes, [block_hash(21, 0), block_hash(21, 1), block_hash(21, 9)])
     assert (n, has_tail) == (2, False) and got == b"".join(bytes(block_data(21, i).numpy()) for i in range(2))

@@ -11,6 +11,7 @@ from pdserve.model import cpu_kernels
 
 __all__ = ["SamplingParams", "sample"]
 
+
 def sample(
     logits: torch.Tensor,  # [S, vocab] float32
     params: list[SamplingParams],
