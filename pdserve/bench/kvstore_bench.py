@@ -2,7 +2,7 @@
 
 All three move the same bytes between the same two processes (this one and a store process)
 in the same run. Store put = AllocatePut + transfer-engine write (each slice's checksums
-computed just before it is submitted) + CommitPut; store get = Get + transfer-engine read +
+computed as it lands) + CommitPut; store get = Get + transfer-engine read +
 verifying every block's checksum (the reader sends ReleaseLease without waiting for it; that call
 is timed on its own); raw = one transfer-engine slice, no control plane, no checksums, timed both
 with the engine's own sync call (which spins until done) and submitted then polled as the store's
@@ -110,11 +110,10 @@ async def _measure(client: StoreClient, transfer: Transfer, local: torch.Tensor,
         raw = alloc.slots.addresses == [base + i * nbytes for i in range(n)]
         e, span = transfer.engine, [Span(local.data_ptr(), base, total)]
         if raw:
-            # What the checksums add to a move: the same raw write with the writer's checksum of
-            # each span taken just before it is submitted, and a raw read verifying each span as
-            # it lands (as the client does). Taken in pairs, each pair's order alternating (the
-            # first of two like moves runs slower here); the cost is the median of the pairs'
-            # differences.
+            # What the checksums add to a move: the same raw write and read with each span
+            # checksummed, or verified, as it lands (as the client does). Taken in pairs, each
+            # pair's order alternating (the first of two like moves runs slower here); the cost is
+            # the median of the pairs' differences.
             write = functools.partial(asyncio.to_thread, transfer.write, client.segment, span)
             summed = functools.partial(asyncio.to_thread, transfer.write, client.segment, block_spans(
                 addrs, [base + i * nbytes for i in range(n)], nbytes), lambda s: checksums_at(

@@ -144,8 +144,9 @@ class StoreClient:
 
     async def write(self, slots: Slots, local_addrs: Sequence[int]) -> tuple[int, dict[int, int]]:
         """Write the blocks whose slot says WRITE (not committed: see `ship`), checksumming each
-        span just before it is submitted, while the spans before it move (docs/perf-log.md, S36);
-        returns the slices used and each written block's checksum by its local address."""
+        span as soon as it has landed, while the others move: its bytes are still in the CPU's
+        cache then, and every span is submitted at once (docs/perf-log.md, S47); returns the slices
+        used and each written block's checksum by its local address."""
         if len(local_addrs) != len(slots):
             raise ValueError(f"write: {len(local_addrs)} local addresses for {len(slots)} slots")
         nbytes, sums = self.block_nbytes, {}
@@ -155,7 +156,7 @@ class StoreClient:
             sums.update(zip(addrs, checksums_at(addrs, nbytes), strict=True))
 
         mine = [s == WRITE for s in slots.states]
-        slices = await self._move(block_spans(local_addrs, slots.addresses, nbytes, mine), write=True, before=checksum)
+        slices = await self._move(block_spans(local_addrs, slots.addresses, nbytes, mine), write=True, on_done=checksum)
         return slices, sums
 
     async def commit(self, lease_id: str, hashes: Sequence[bytes], checksums: Sequence[int], tail: bool = False,
@@ -296,13 +297,13 @@ class StoreClient:
         finally:
             call.cancel()
 
-    async def _move(self, spans: list[Span], write: bool, on_done=None, before=None) -> int:
+    async def _move(self, spans: list[Span], write: bool, on_done=None) -> int:
         transfer = self._require_transfer()
         if not self.segment:
             await self.connect()
         try:
             if write:
-                return await asyncio.to_thread(transfer.write, self.segment, spans, before)
+                return await asyncio.to_thread(transfer.write, self.segment, spans, on_done)
             return await asyncio.to_thread(transfer.read, self.segment, spans, on_done)
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move

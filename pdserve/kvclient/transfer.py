@@ -116,14 +116,13 @@ class Transfer:
         landed, while the others still move."""
         return self._move(peer, spans, write=False, on_done=on_done)
 
-    def write(self, peer: str, spans: Sequence[Span], before: Callable[[Span], None] | None = None) -> int:
-        """Copy local -> remote; returns the number of slices used. Blocking. before(span) runs (in
-        this thread) just before a span (neighbours of `spans` merged) is submitted, while the
-        earlier ones move."""
-        return self._move(peer, spans, write=True, before=before)
+    def write(self, peer: str, spans: Sequence[Span], on_done: Callable[[Span], None] | None = None) -> int:
+        """Copy local -> remote; returns the number of slices used. Blocking. on_done(span) as for
+        `read`: a span's bytes, just read by the engine, are still in the CPU's cache then."""
+        return self._move(peer, spans, write=True, on_done=on_done)
 
-    def _move(self, peer: str, spans: Sequence[Span], write: bool, on_done: Callable[[Span], None] | None = None,
-              before: Callable[[Span], None] | None = None) -> int:
+    def _move(self, peer: str, spans: Sequence[Span], write: bool,
+              on_done: Callable[[Span], None] | None = None) -> int:
         """Submit each slice (at most SLICE_BYTES: the engine moves several at once) as a batch of
         its own, then poll them, sleeping between polls (from 20 µs, doubling to 1 ms): the
         engine's sync calls spin on the status for the whole move, a CPU's worth of work that, on
@@ -151,8 +150,6 @@ class Transfer:
             todo, failed = failed if attempt else pieces, []
             pending: list[tuple[int, int, Span]] = []  # (batch, span, slice)
             for i, piece in todo:
-                if before is not None and not attempt and piece.local == merged[i].local:
-                    before(merged[i])  # (the earlier ones move meanwhile)
                 batch = submit(peer, [piece.local], [piece.remote], [piece.nbytes])
                 if batch in _NO_BATCH:
                     errors.append("submit refused")
