@@ -162,15 +162,21 @@ def cluster_rows(profile: HashProfile, tokens_list: list[int], repeats: int) -> 
     lay = profile.layout
     segment = max(256 << 20, 3 * max(tokens_list) // lay.block_size * object_nbytes(lay.block_nbytes))
     master = MooncakeMaster().start()
+    threads = torch.get_num_threads()
     holder = subprocess.Popen([*die_with_parent(), sys.executable, "-c", _SEGMENT_HOLDER, master.address, str(segment)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"the segment holder did not start: {line!r}")
+        # The tier copies blocks into its staging buffer with torch on one thread, as in the store
+        # process (services/kvstore/__main__.py says why); a copy team of two here slowed the
+        # tier's own puts (docs/perf-log.md, S47).
+        torch.set_num_threads(1)
         return asyncio.run(_rows(profile, tokens_list, repeats, master.address))
     finally:
         holder.stdin.close()
         holder.terminate()
         holder.wait(10)
         master.stop()
+        torch.set_num_threads(threads)
