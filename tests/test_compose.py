@@ -8,6 +8,7 @@ import subprocess
 
 import yaml
 
+from pdserve.runtime.launch import MooncakeMaster
 from tests.support.procs import ROOT
 
 SERVICES = {"secrets", "redis", "jaeger", "kvstore", "prefill", "decode", "router"}
@@ -48,6 +49,7 @@ def test_compose_file_is_valid_and_names_every_service(tmp_path):
     cluster = yaml.safe_load(out.stdout)["services"]
     assert set(cluster) == SERVICES | cluster_only
     assert cluster["mooncake-master"]["command"][0] == "mooncake_master"
+    assert f"--default_kv_lease_ttl={MooncakeMaster.KV_LEASE_MS}" in cluster["mooncake-master"]["command"]
     node_b = cluster["kvstore-b"]["environment"]
     assert (node_b["PDSERVE_NODE"], node_b["PDSERVE_CLUSTER_STORE"], node_b["PDSERVE_CLUSTER_MASTER"]) == (
         "b", "mooncake", "172.28.0.20:50051")
