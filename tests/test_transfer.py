@@ -128,9 +128,10 @@ def test_a_failed_slice_is_tried_once_more_then_the_transfer_fails(engines, fail
         if fails == 1:
             assert b.read(a.segment, [span], on_done=landed.append) == 1
             assert torch.equal(ours, theirs) and landed == [span]
-            b.engine.fails, before = 1, []
-            assert b.write(a.segment, [span], before.append) == 1
-            assert before == [span]  # not again for the slice tried once more
+            ours.fill_(7)
+            b.engine.fails, done = 1, []
+            assert b.write(a.segment, [span], lambda s: done.append((s, torch.equal(ours, theirs)))) == 1
+            assert done == [(span, True)]  # once, after the slice tried once more has landed
         else:
             with pytest.raises(TransferError, match=r"failed \(failed; 1 slices, 65536 bytes\)"):
                 b.read(a.segment, [span], on_done=landed.append)

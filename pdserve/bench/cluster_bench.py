@@ -113,7 +113,7 @@ async def _row(tier, raw, raw_buf: torch.Tensor, profile: HashProfile, tokens: i
     total = n * nbytes
     med = statistics.median
     row = {"layout": "7b" if lay.num_layers == 32 else "tiny", "tokens": tokens, "blocks": n, "bytes": total,
-           "repeats": repeats,
+           "repeats": repeats, "torch_threads": torch.get_num_threads(),
            "tier_put_gbps": total / med(tier_put) / GB, "tier_get_gbps": total / med(tier_get) / GB,
            "raw_put_gbps": total / med(raw_put) / GB, "raw_get_gbps": total / med(raw_get) / GB}
     row["put_vs_raw"] = row["tier_put_gbps"] / row["raw_put_gbps"]
@@ -175,8 +175,8 @@ def cluster_rows(profile: HashProfile, tokens_list: list[int], repeats: int) -> 
         torch.set_num_threads(1)
         return asyncio.run(_rows(profile, tokens_list, repeats, master.address))
     finally:
+        torch.set_num_threads(threads)
         holder.stdin.close()
         holder.terminate()
         holder.wait(10)
         master.stop()
-        torch.set_num_threads(threads)
