@@ -302,9 +302,7 @@ class StoreClient:
         if not self.segment:
             await self.connect()
         try:
-            if write:
-                return await asyncio.to_thread(transfer.write, self.segment, spans, on_done)
-            return await asyncio.to_thread(transfer.read, self.segment, spans, on_done)
+            return await asyncio.to_thread(transfer.write if write else transfer.read, self.segment, spans, on_done)
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
             raise
