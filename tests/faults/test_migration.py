@@ -51,9 +51,12 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tin
                     events.append(item)
                     gaps.append(now - last)
                     last = now
-                    if len(events) == 10:
+                    if victim is None:
+                        # From the first token on: the decode runs ahead of a client that reads
+                        # slowly, and had finished all 300 tokens by the tenth one read (CI, S47).
                         victim = _busy_decode(stack)
-                        victim.signal(sig)
+                        if victim is not None:
+                            victim.signal(sig)
                 else:
                     result = item
         assert victim is not None
