@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from tests.support.stack import load, routed_stack
 
-MAX_TOKENS = 300
+MAX_TOKENS = 1000  # about 2 s of tiny decode on an idle host: room to find and stop it under CI load
 
 
 @pytest.fixture
@@ -36,14 +37,34 @@ def _busy_decode(stack):
     return asyncio.run(find())
 
 
+class _Saboteur(threading.Thread):
+    """Polls the decode workers from before the request is sent and signals the first one found
+    running it. Not tied to the client's reads: a client starved of CPU on a loaded host had read
+    nothing until the decode had finished (CI, S47, S48)."""
+
+    def __init__(self, stack, sig):
+        super().__init__(daemon=True)
+        self.stack, self.sig, self.victim, self.done = stack, sig, None, threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            victim = _busy_decode(self.stack)
+            if victim is not None:
+                victim.signal(self.sig)
+                self.victim = victim
+                return
+            time.sleep(0.005)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tiny, sig):
     prompt = [(i * 29 + 11) % 256 for i in range(50)]
     want = LLMEngine(tiny, EngineConfig(num_blocks=256)).generate(
         [prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
-    events, victim, gaps = [], None, []
+    events, gaps, saboteur = [], [], _Saboteur(stack, sig)
     try:
         with Client(stack.router.address) as c:
+            saboteur.start()
             last = time.perf_counter()
             for item in c.generate_streamed(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout_s=60):
                 now = time.perf_counter()
@@ -51,14 +72,11 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tin
                     events.append(item)
                     gaps.append(now - last)
                     last = now
-                    if victim is None:
-                        # From the first token on: the decode runs ahead of a client that reads
-                        # slowly, and had finished all 300 tokens by the tenth one read (CI, S47).
-                        victim = _busy_decode(stack)
-                        if victim is not None:
-                            victim.signal(sig)
                 else:
                     result = item
+        saboteur.done.set()
+        saboteur.join(10)
+        victim = saboteur.victim
         assert victim is not None
         assert [e.index for e in events] == list(range(MAX_TOKENS))
         assert [e.token_id for e in events] == want
@@ -73,8 +91,10 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tin
         with Client(stack.router.address) as c:  # the pool serves on
             assert c.generate(prompt[:20], max_tokens=5, ignore_eos=True).route["decode"] == survivor.address
     finally:
-        if victim is not None and sig == signal.SIGSTOP:
-            victim.signal(signal.SIGCONT)
+        saboteur.done.set()
+        saboteur.join(10)
+        if saboteur.victim is not None and sig == signal.SIGSTOP:
+            saboteur.victim.signal(signal.SIGCONT)
     if sig == signal.SIGSTOP:  # resumed, it finds its request gone and gives its pages back
 
         async def audit():
