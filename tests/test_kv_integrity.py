@@ -82,7 +82,7 @@ def test_put_bytes_never_replaces_the_bytes_of_a_stored_block(small_store):
     c.put(60, [0, 1])
     other = bytes(block_data(61, 0).numpy()) + bytes(block_data(61, 1).numpy())
     resp = c.call(StoreClient.put_bytes, [block_hash(60, 0), block_hash(60, 1)], other)
-    assert resp == (0, 2)
+    assert resp == (0, 2, 0)
     assert c.get(60, 2) == {"num_blocks": 2, "has_tail": False, "ok": True, "slices": 1, "corrupt": 0}
     n, _, data = c.call(StoreClient.get_bytes, [block_hash(60, 0), block_hash(60, 1)])
     assert n == 2 and data == bytes(block_data(60, 0).numpy()) + bytes(block_data(60, 1).numpy())

@@ -347,7 +347,7 @@ def test_bytes_path_and_cross_path(small_store):
     hashes = [block_hash(20, i) for i in range(3)]
     resp = c.call(StoreClient.put_bytes, hashes, data + bytes(block_data(20, -1).numpy()), tail_key="req-20",
                   tail_lease_ms=5000, chunk_bytes=7000)
-    assert resp == (4, 0)
+    assert resp == (4, 0, 0)
     assert c.get(20, 3, tail=True) == {"num_blocks": 3, "has_tail": True, "ok": True, "slices": 1, "corrupt": 0}
     c.put(21, [0, 1])
     n, has_tail, got = c.call(StoreClient.get_bytes, [block_hash(21, 0), block_hash(21, 1), block_hash(21, 9)])

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import free_port
@@ -140,5 +141,38 @@ def test_a_call_the_store_does_not_answer_in_time_fails_deadline_exceeded(shared
         while (s := c.stats()).active_leases and time.monotonic() < deadline:
             time.sleep(0.1)
         assert s.active_leases == 0 and tier_stats(s)["device"] == {"used": 1, "pinned": 0, "evictions": 0}
+    finally:
+        store.stop()
+
+
+def test_a_cancelled_read_returns_only_once_the_engine_is_done_with_the_callers_memory(shared_redis_url, key_prefix):
+    """The engine cannot stop a move: a caller cancelled mid-read must not get its memory back
+    (to hand on as KV pages) while bytes may still land in it. The store is stopped so the read
+    cannot finish; the cancelled call waits until it has."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=256, dram_blocks=4, lease_ms=30_000)
+    try:
+        c = LocalClient(store.address)
+        c.put(40, list(range(256)))  # 8 MiB: more than a stopped peer's socket takes
+
+        async def scenario(client: StoreClient):
+            pinned = await client.pin([block_hash(40, i) for i in range(256)])
+            assert len(pinned.slots) == 256
+            c.buf.tensor.zero_()
+            store.proc.send_signal(signal.SIGSTOP)
+            try:
+                read = asyncio.ensure_future(client.read_slots(pinned.slots, [c.buf.addr(i) for i in range(256)]))
+                await asyncio.sleep(0.5)
+                read.cancel()
+                done, _ = await asyncio.wait([read], timeout=1.5)
+                assert not done  # waited out, not handed back
+            finally:
+                store.proc.send_signal(signal.SIGCONT)
+            done, _ = await asyncio.wait([read], timeout=20)
+            assert read in done and read.cancelled()
+            assert all(torch.equal(c.buf.block(i), block_data(40, i)) for i in range(256))  # landed before it ended
+            await client.release(pinned.lease_id)
+
+        c.call(scenario)
+        assert c.stats().active_leases == 0
     finally:
         store.stop()

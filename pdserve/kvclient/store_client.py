@@ -9,6 +9,7 @@ counted as read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
@@ -301,8 +302,19 @@ class StoreClient:
         transfer = self._require_transfer()
         if not self.segment:
             await self.connect()
+        move = asyncio.ensure_future(asyncio.to_thread(transfer.write if write else transfer.read, self.segment,
+                                                        spans, on_done))
         try:
-            return await asyncio.to_thread(transfer.write if write else transfer.read, self.segment, spans, on_done)
+            return await asyncio.shield(move)
+        except asyncio.CancelledError:
+            # The engine cannot stop a move: until its thread returns, bytes may still land in the
+            # caller's memory, which the caller hands on (KV pages, staging slots) once this
+            # returns. So a cancelled move is waited out; a stopped peer holds it, and that memory.
+            while not move.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([move])
+            move.exception()  # (retrieved: the caller was cancelled, the move's own failure is moot)
+            raise
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
             raise
@@ -349,8 +361,9 @@ class StoreClient:
 
     # -- gRPC-bytes path --------------------------------------------------------------------
     async def put_bytes(self, hashes: Sequence[bytes], data: bytes, tail_key: str = "", tail_lease_ms: int = 0,
-                        request_id: str = "", chunk_bytes: int = 1024 * 1024) -> tuple[int, int]:
-        """Blocks sent in the messages; returns (written, already present: their bytes kept)."""
+                        request_id: str = "", chunk_bytes: int = 1024 * 1024) -> tuple[int, int, int]:
+        """Blocks sent in the messages; returns (written, already present: their bytes kept,
+        pending: another writer's, stored only once it commits)."""
         header = pb.PutBytesHeader(profile=self.profile_pb, block_hashes=hashes_to_pb(hashes), tail_key=tail_key,
                                    tail_lease_ms=tail_lease_ms, request_id=request_id)
 
@@ -362,7 +375,7 @@ class StoreClient:
 
         stub = await self._stub_ready()
         resp = await stub.PutBytes(messages(), timeout=self.timeout_s, metadata=self._metadata)
-        return resp.written, resp.already_present
+        return resp.written, resp.already_present, resp.pending
 
     async def get_bytes(self, hashes: Sequence[bytes], tail_key: str = "",
                         request_id: str = "") -> tuple[int, bool, bytes]:

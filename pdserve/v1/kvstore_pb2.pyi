@@ -265,12 +265,14 @@ class ReportCorruptResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class PutBytesResponse(_message.Message):
-    __slots__ = ("written", "already_present")
+    __slots__ = ("written", "already_present", "pending")
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     written: int
     already_present: int
-    def __init__(self, written: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
+    pending: int
+    def __init__(self, written: _Optional[int] = ..., already_present: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class GetBytesRequest(_message.Message):
     __slots__ = ("profile", "block_hashes", "tail_key", "request_id")

@@ -41,7 +41,7 @@ class WriteLease(Lease):
 class ReadLease(Lease):
     blocks: list[Block] = field(default_factory=list)  # those it pins, the tail included
     tail: Block | None = None
-    watching: bool = False  # a live Watch stream keeps it from lapsing
+    watching: bool = False  # a live stream (Watch, GetBytes) keeps it from lapsing: it ends with the stream
 
 
 @dataclass(slots=True, eq=False)

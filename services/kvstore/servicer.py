@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from pdserve import logs
-from pdserve.errors import DataLoss, InvalidArgument, PdserveError
+from pdserve.errors import DataLoss, FailedPrecondition, InvalidArgument, PdserveError
 from pdserve.kv.checksum import checksum_of
 from pdserve.kv.layout import HashProfile
 from pdserve.rpc.convert import hashes_from_pb, profile_to_pb, require_profile
@@ -194,12 +194,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         nbytes = self.store.block_nbytes
         expected = len(slots) * nbytes
         received = 0
+        writes = any(s.state == SlotState.WRITE for s in slots)  # (else the lease closed at once: all here)
         try:
             async for msg in request_iterator:
                 if not msg.HasField("data"):
                     raise InvalidArgument("PutBytes: only data messages may follow the header")
                 if received + len(msg.data) > expected:
                     raise InvalidArgument(f"PutBytes: more bytes than {len(slots)} blocks of {nbytes} bytes")
+                if writes:
+                    self._require_open(lease)
                 self._write_span(slots, received, msg.data)
                 received += len(msg.data)
             if received != expected:
@@ -210,12 +213,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise
         # Only WRITE slots took bytes: a block already here keeps the bytes it has.
         written = [s.block for s in slots if s.state == SlotState.WRITE]
-        if lease.lease_id in self.store.leases:
+        if written:
+            self._require_open(lease)
             full = [b for b in written if not b.is_tail]
             tail = written[-1] if written and written[-1].is_tail else None
             self.store.commit("", lease.lease_id, [b.key for b in full], [checksum_of(self._view(b)) for b in full],
                               tail is not None, checksum_of(self._view(tail)) if tail else 0, h.tail_lease_ms)
-        return pb.PutBytesResponse(written=len(written), already_present=len(slots) - len(written))
+        return pb.PutBytesResponse(written=len(written),
+                                   already_present=sum(s.state == SlotState.PRESENT for s in slots),
+                                   pending=sum(s.state == SlotState.PENDING for s in slots))
+
+    def _require_open(self, lease) -> None:
+        """A PutBytes stream slower than its write lease: the lease lapsed and its slots were fenced,
+        so nothing more is written or committed under it."""
+        if lease.lease_id not in self.store.leases:
+            raise FailedPrecondition("PutBytes: the write lease lapsed before the stream ended (tail_lease_ms or "
+                                     "the store's lease is shorter than the upload took): nothing was stored; "
+                                     "send it again, faster or with a longer tail_lease_ms")
 
     def _write_span(self, slots: list[Slot], offset: int, data: bytes) -> None:
         import torch
@@ -235,7 +249,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def GetBytes(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
-        lease, blocks, tail = self.store.get("", hashes, _tail(request.tail_key), 0, request.request_id)
+        lease, blocks, tail = self.store.get("", hashes, _tail(request.tail_key), 0, request.request_id,
+                                             streaming=True)
         if lease is None:
             yield pb.GetBytesResponse(num_blocks=0, has_tail=False)
             return
@@ -243,8 +258,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             # The store reads these itself: it verifies them as every reader does.
             bad = [b for b in [*blocks, *([tail] if tail else [])] if not self.store.blocks.verify(b)]
             if bad:
-                for b in bad:
-                    self.store.blocks.detach(b)
+                self.store.drop_corrupt(bad)
                 raise DataLoss(f"GetBytes: {len(bad)} stored blocks failed their checksum and were dropped; "
                                "recompute them")
             out = [*blocks, *([tail] if tail else [])]

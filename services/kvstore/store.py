@@ -137,8 +137,10 @@ class BlockStore:
 
     # -- get and watch ---------------------------------------------------------------------
     def get(self, owner: str, hashes: Sequence[bytes], tail_key: bytes | None, lease_ms: int,
-            request_id: str) -> tuple[ReadLease | None, list[Block], Block | None]:
-        """Pin the longest committed prefix of `hashes` (and the tail) under a read lease."""
+            request_id: str, streaming: bool = False) -> tuple[ReadLease | None, list[Block], Block | None]:
+        """Pin the longest committed prefix of `hashes` (and the tail) under a read lease.
+        streaming: the store sends the bytes itself (GetBytes), and the lease lasts as long as
+        that stream does (it cannot lapse under a slow reader: the slots would be reused)."""
         _no_repeats(hashes, "get")
         prefix = [self.blocks.get(h) for h in hashes[: self.committed_run(hashes)]]
         tail = self.blocks.tail(tail_key) if tail_key is not None else None
@@ -147,7 +149,7 @@ class BlockStore:
         self._count_lookup(len(prefix), len(hashes) - len(prefix))
         if not prefix and tail is None:
             return None, [], None
-        lease = self.leases.open(ReadLease, owner, lease_ms, request_id)
+        lease = self.leases.open(ReadLease, owner, lease_ms, request_id, watching=streaming)
         self._pin_for(lease, prefix + ([tail] if tail is not None else []))
         return lease, prefix, tail
 
@@ -282,9 +284,19 @@ class BlockStore:
         if None in named:
             raise NotFound(f"read lease {lease_id!r} does not hold every block reported")
         bad = [b for b in named if not b.detached and not self.blocks.verify(b)]
-        for b in bad:
-            self.blocks.detach(b)
+        self.drop_corrupt(bad)
         return len(bad)
+
+    def drop_corrupt(self, blocks: Sequence[Block]) -> None:
+        """Blocks whose stored bytes failed their checksum: never found again, each slot freed
+        once its last reader lets go. A tail's TTL pin goes at once: a new tail put under the
+        same key meanwhile gets a TTL of its own."""
+        for b in blocks:
+            self.blocks.detach(b)
+            held = self.tail_ttls.get(b.key) if b.is_tail else None
+            if held is not None and held[0] is b:
+                del self.tail_ttls[b.key]
+                self.blocks.unpin([b])
 
     def reap(self) -> int:
         """Lapse leases past their deadline, tails past their TTL, and free fenced slots whose
@@ -292,9 +304,10 @@ class BlockStore:
         now = self.clock()
         lapsed = self.leases.lapsed(now)
         for lease in lapsed:
-            self._end(lease, "lapsed")
+            if lease.lease_id in self.leases:  # (a write's hold lapsing with it was ended by it)
+                self._end(lease, "lapsed")
         for key, (tail, expires) in list(self.tail_ttls.items()):
-            if expires < now:  # (a tail dropped as corrupt meanwhile still has this pin: its slot waits for it)
+            if expires < now:
                 del self.tail_ttls[key]
                 self.blocks.unpin([tail])
         self.blocks.reap_fenced()
