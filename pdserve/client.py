@@ -28,7 +28,12 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort"}
-_ERRORS = {cls.code: cls for cls in errors.PdserveError.__subclasses__()}  # one typed error per status
+# One typed error per status: the classes of pdserve.errors, named (subclasses defined elsewhere,
+# e.g. a service's, would make the table depend on what was imported first).
+_ERRORS = {cls.code: cls for cls in (errors.InvalidArgument, errors.NotFound, errors.ResourceExhausted,
+                                     errors.Unavailable, errors.FailedPrecondition, errors.Unauthenticated,
+                                     errors.PermissionDenied, errors.DataLoss, errors.AlreadyExists,
+                                     errors.DeadlineExceeded)}
 ENV_API_KEY = "PDSERVE_API_KEY"
 
 

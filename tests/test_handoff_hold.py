@@ -122,3 +122,30 @@ def test_the_first_token_does_not_wait_for_the_handoff(shared_redis_url, key_pre
         assert tokens == expected(engine, ids)
     finally:
         s.stop()
+
+
+def test_a_request_that_ends_at_its_first_token_leaves_no_hold(shared_redis_url, key_prefix, engine, tiny):
+    """No decode pulls the blocks of a request whose first token is its last (max_tokens=1): the
+    prefill releases the hold itself once its handoff completes, long before its 20 s TTL."""
+    s = Stack(shared_redis_url, key_prefix)
+    s.start_store()
+    s.prefills = [s.worker("prefill", "--tail-ttl-ms", "20000").start()]
+    ids = prompt(8 * B + 3, salt=95)
+    try:
+        async def go():
+            ch, p = stubs(s.prefills[0].address, "prefill")
+            async with ch:
+                return await prefill_whole(p, prefill_pb2.PrefillRequest(
+                    request_id="one-token", prompt_token_ids=ids, sampling=sampling(max_tokens=1)), timeout=60)
+
+        first = run(go())
+        assert first.kv_hold_lease_id and first.first_token.token_id == expected(engine, ids, 1)[0]
+        assert first.first_token.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        deadline = time.time() + 5.0
+        while time.time() < deadline and run(store_stats(s.store.address)).active_leases:
+            time.sleep(0.1)
+        st = run(store_stats(s.store.address))
+        # Left pinned: the request's tail only, by its TTL (a tail is read once, or lapses).
+        assert (st.active_leases, sum(t.pinned_blocks for t in st.tiers)) == (0, 1)
+    finally:
+        s.stop()

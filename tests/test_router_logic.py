@@ -133,17 +133,21 @@ def test_over_the_ttft_slo_is_refused_at_once_even_when_it_would_queue_for_decod
     async def no_hits(hashes, ids):
         return PrefixHits({}, 0)
 
-    def route(slo_ms: float, prompt_tokens: int):
+    def route(slo_ms: float, prompt_tokens: int, slo: bool = True):
         router = SimpleNamespace(cfg=RouterConfig(ttft_slo_ms=slo_ms), pool=pool, policy=Policy("cache_aware"),
                                  profile=SimpleNamespace(block_size=16), metrics=Metrics(), _lookup=no_hits,
                                  recent=RecentRoutes(ttl_s=3.0), coef=Coefficients(prefill_ms_per_token=0.1,
                                                                                    request_ms=5.0))
-        return asyncio.run(Router.route(router, list(range(prompt_tokens)), [], SamplingParams(max_tokens=8)))
+        return asyncio.run(Router.route(router, list(range(prompt_tokens)), [], SamplingParams(max_tokens=8),
+                                        slo=slo))
 
     with pytest.raises(ResourceExhausted, match=r"estimated TTFT 205 ms exceeds the SLO 100 ms; retry in about 105"
                        ) as refused:
         route(100.0, 2000)
     assert not isinstance(refused.value, NoRoom)
+    with pytest.raises(NoRoom) as migrating:  # a migration (its stream is under way) is not refused under it
+        route(100.0, 2000, slo=False)
+    assert migrating.value.budget_s == float("inf")
     with pytest.raises(NoRoom):
         route(100.0, 100)  # 15 ms: under the SLO, so it waits for room
     with pytest.raises(NoRoom):
@@ -293,3 +297,31 @@ def test_stream_interval_is_bounded_as_decode_bounds_it():
     for bad in (0, MAX_STREAM_INTERVAL + 1):
         with pytest.raises(ValueError, match=rf"stream_interval must be in \[1, 256\], got {bad}"):
             RouterConfig(stream_interval=bad)
+
+
+def test_a_departed_workers_channel_closes_only_once_no_request_is_on_it():
+    """Closed under a request, its call would be cancelled, which grpc.aio ends with CancelledError
+    rather than a status: no retry, no migration, a stream cut short. Stand-ins for the view and
+    its channel."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.router.workers import _close_when_idle
+
+    closed = []
+
+    class Channel:
+        async def close(self, grace=None):
+            closed.append(grace)
+
+    view = SimpleNamespace(inflight=1, channel=Channel())
+
+    async def go():
+        task = asyncio.create_task(_close_when_idle(view))
+        await asyncio.sleep(1.2)
+        assert closed == [] and not task.done()
+        view.inflight = 0
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert closed == [None]

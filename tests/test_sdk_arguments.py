@@ -54,3 +54,17 @@ def test_an_unknown_keyword_names_the_public_method():
                 await c.generate("x", max_tokens=2)
 
     asyncio.run(go())
+
+
+def test_each_status_maps_to_the_same_error_whatever_was_imported_first():
+    """A service's own PdserveError subclass (the router's DispatchError, say) imported before the
+    SDK once took INTERNAL's place in its table, and building it failed (TypeError)."""
+    code = ("import grpc, services.router.dispatch, pdserve.worker.engine_thread\n"
+            "from pdserve import client\n"
+            "for status in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):\n"
+            "    e = client._error(grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), 'boom'))\n"
+            "    print(type(e).__module__, type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["pdserve.errors PdserveError INTERNAL: boom",
+                                       "pdserve.errors Unavailable UNAVAILABLE: boom"]

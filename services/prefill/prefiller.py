@@ -147,6 +147,8 @@ class Prefiller:
             await self._settle_pending(rid, alloc, pages)
             exposed_s = time.perf_counter() - t_sent
             alloc = None  # fully committed: the lease is closed
+            if first.finish_reason is not None and hold:
+                w.store.release_soon(hold)  # the request ended at its first token: no decode pulls
             await w.engine.call(lambda e: e.release(rid))
         except BaseException:
             # Abort even when `reserve` was still in flight as we were cancelled: the engine runs

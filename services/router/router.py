@@ -62,9 +62,10 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------
     async def route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
-                    exclude: set[str] | frozenset[str] = frozenset(), waited_ms: float = 0.0) -> Route:
+                    exclude: set[str] | frozenset[str] = frozenset(), waited_ms: float = 0, slo: bool = True) -> Route:
         """`exclude`: workers not to choose (this request already failed there). `waited_ms`: how
-        long it has waited for room already (the TTFT SLO counts it)."""
+        long it has waited for room already (the TTFT SLO counts it). slo=False: a request whose
+        first token is out (a migration) is not refused under the TTFT SLO: it is streaming."""
         t0 = time.perf_counter()
         decodes = self.pool.usable("decode")
         prefills = [w for w in self.pool.usable("prefill") if w.worker_id not in exclude]
@@ -89,6 +90,7 @@ class Router:
         no_room = NoRoom(f"no decode worker can admit {need} KV blocks now ({len(decodes)} healthy)")
         if dchoice is None and not self.cfg.ttft_slo_ms:
             raise no_room
+        views = {w.worker_id: w for w in (*prefills, *decodes)}  # (the pool may drop one during the look-up)
         t_lookup = time.perf_counter()
         hits = await self._lookup(hashes, {w.worker_id: w.store_node for w in prefills})
         self.metrics.observe("route_lookup_ms", (time.perf_counter() - t_lookup) * 1e3)
@@ -109,37 +111,37 @@ class Router:
             choice = self.policy.choose_prefill(pcands, len(ids), hits.store_blocks * bs, self.coef)
         uncached = len(ids) - (choice.expected_local_tokens + choice.expected_store_tokens if prefills else 0)
         colocate = not prefills or uncached < self.cfg.colocate_below_tokens
-        paired = node_decode.get(self.pool.workers[choice.worker_id].store_node) if prefills else None
+        paired = node_decode.get(views[choice.worker_id].store_node) if prefills else None
         # Prefill is sent once decode admits: its time to admit lately is part of the TTFT. Its
         # handoffs' time to complete after the first token is not, but its stream waits for that.
-        d = self.pool.workers[paired.worker_id] if paired is not None else None
+        d = views[paired.worker_id] if paired is not None else None
         admit_ms, handoff_ms = (d.admit.estimate_ms(), d.handoff.estimate_ms()) if d else (0.0, 0.0)
         estimate_ms = choice.estimated_ttft_ms + admit_ms if prefills else 0.0
         # Over the SLO is refused at once, before any wait for decode room: waiting makes it later.
         expected_ms = estimate_ms + self.coef.miss_ms if prefills else 0.0  # (as estimates have come out)
-        if not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms, handoff_ms)):
+        if slo and not colocate and (refusal := over_slo(expected_ms, waited_ms, self.cfg.ttft_slo_ms, handoff_ms)):
             raise ResourceExhausted(refusal)
         if dchoice is None:  # (with an SLO, after its check: a request over it is refused at once, not queued)
-            if self.cfg.ttft_slo_ms and not colocate:
+            if slo and self.cfg.ttft_slo_ms and not colocate:
                 no_room.budget_s = (self.cfg.ttft_slo_ms - waited_ms - expected_ms - handoff_ms) / 1e3
             raise no_room
         if colocate:
-            decode = self.pool.workers[dchoice.worker_id]
+            decode = views[dchoice.worker_id]
             return Route(None, decode, self.policy.name, 0, 0, 0.0, (time.perf_counter() - t0) * 1e3,
                          decode_blocks=need)
-        prefill = self.pool.workers[choice.worker_id]
-        decode = self.pool.workers[node_decode[prefill.store_node].worker_id]
+        prefill = views[choice.worker_id]
+        decode = views[node_decode[prefill.store_node].worker_id]
         self.recent.add(choice.worker_id, hashes)
         return Route(prefill, decode, self.policy.name, choice.expected_local_tokens,
                      choice.expected_store_tokens, estimate_ms, (time.perf_counter() - t0) * 1e3,
                      choice.best_hit_tokens, need, choice.queue)
 
     async def admitted_route(self, ids: list[int], hashes: list[bytes], params: SamplingParams,
-                             exclude: set[str], deadline: float, waited_ms: float = 0.0) -> Route:
+                             exclude: set[str], deadline: float, waited_ms: float = 0.0, slo: bool = True) -> Route:
         """`waited_ms`: how long the request had waited before (the TTFT SLO counts it)."""
         t0 = time.perf_counter()
-        return await self.admission.admit(
-            lambda: self.route(ids, hashes, params, exclude, waited_ms + (time.perf_counter() - t0) * 1e3), deadline)
+        waited = lambda: waited_ms + (time.perf_counter() - t0) * 1e3  # noqa: E731
+        return await self.admission.admit(lambda: self.route(ids, hashes, params, exclude, waited(), slo), deadline)
 
     def index_source(self) -> str:
         """Where the next look-up reads the prefix index: "mirror", "redis", or "" (not read)."""
@@ -163,13 +165,11 @@ class Router:
 
     # -- one request -----------------------------------------------------------------------
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                       client_deadline_s: float | None = None,
-                       stop: tuple[str, ...] = (), waited_ms: float | None = None
-                       ) -> AsyncIterator[TokenOut | Summary]:
+                       client_deadline_s: float | None = None, stop: tuple[str, ...] = (),
+                       waited_ms: float | None = None) -> AsyncIterator[TokenOut | Summary]:
         """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none).
         `waited_ms`: how long the call waited before it reached this method (its TTFT SLO counts it;
-        None: not known).
-        `stop`: strings that end the request (finish STOP), never part of its text."""
+        None: not known). `stop`: strings that end the request (finish STOP), never part of its text."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
@@ -213,7 +213,7 @@ class Router:
         retries = migrations = 0
         queued_ms = 0.0  # in the admission queue, over every attempt
         queue_until = time.monotonic() + self.cfg.queue_timeout_s  # a decode that refuses: wait for room this long
-        last = None
+        last = ttft_ms = None
         for attempt in itertools.count():
             prompt = ids + out
             left = params if not out else replace(params, max_tokens=params.max_tokens - len(out))
@@ -221,12 +221,13 @@ class Router:
                                                                    "prompt_tokens": len(prompt)}) as span:
                 t_admit = time.perf_counter()
                 route = await self.admitted_route(prompt, block_hashes(prompt, self.profile), left, failed, deadline,
-                                                  waited_ms if attempt == 0 else 0.0)
+                                                  waited_ms if attempt == 0 else 0.0, slo=not out)
                 queued_ms += (time.perf_counter() - t_admit) * 1e3 - route.route_ms
                 span.set_attribute("prefill", route.prefill.address if route.prefill else "")
                 span.set_attribute("decode", route.decode.address)
                 self.metrics.observe("route_ms", route.route_ms)
-            summary = Summary(request_id, 0, route, len(ids), timings_ms={"queue_ms": max(queued_ms, 0.0)})
+            summary = Summary(request_id, 0, route, len(ids), timings_ms={  # (ttft_ms: an earlier attempt's)
+                "queue_ms": max(queued_ms, 0.0), **({"ttft_ms": ttft_ms} if ttft_ms is not None else {})})
             # Each attempt is a handoff of its own: the workers know it by its own id.
             handoff_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             try:
@@ -234,8 +235,8 @@ class Router:
                     async for item in items:
                         now = time.perf_counter()
                         if last is None:
-                            summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
-                            self.metrics.observe("ttft_ms", summary.timings_ms["ttft_ms"])
+                            ttft_ms = summary.timings_ms["ttft_ms"] = (now - t0) * 1e3
+                            self.metrics.observe("ttft_ms", ttft_ms)
                         else:
                             self.metrics.observe("itl_ms", (now - last) * 1e3)
                         last = now
@@ -293,9 +294,8 @@ class Router:
                    deadline: float) -> bool:
         """Whether a failure on `side` may be hidden by trying again elsewhere: one that another
         worker might not have, with retries left, time left, and another worker to go to."""
-        return (e.side == side and e.code in RETRY_ON and worker is not None and done < allowed
-                and time.monotonic() < deadline
-                and any(w.worker_id != worker.worker_id for w in self.pool.usable(side)))
+        return (e.side == side and e.code in RETRY_ON and worker is not None and done < allowed and time.monotonic()
+                < deadline and any(w.worker_id != worker.worker_id for w in self.pool.usable(side)))
 
     async def _attempt(self, request_id: str, ids: list[int], params: SamplingParams, route: Route,
                        summary: Summary, deadline: float):

@@ -180,8 +180,8 @@ class WorkerPool:
         view = self.workers.pop(wid)
         view.registered = view.healthy = False
         log.info("worker left", worker=wid, address=view.address, reason=reason)
-        if view.channel is not None:  # (calls still on it get a while to finish)
-            task = asyncio.get_running_loop().create_task(view.channel.close(grace=30.0 if view.inflight else None))
+        if view.channel is not None:
+            task = asyncio.get_running_loop().create_task(_close_when_idle(view))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -222,3 +222,11 @@ class WorkerPool:
         """A call to the worker failed as unreachable: stop sending it work until health says otherwise."""
         view.healthy = False
 
+
+async def _close_when_idle(view: WorkerView) -> None:
+    """A departed worker's channel, closed once no request of this router's is on it (each is
+    bounded by its deadline): closing it under them would cancel their calls, which grpc.aio ends
+    with CancelledError rather than a status, so no retry or migration would follow."""
+    while view.inflight:
+        await asyncio.sleep(0.5)
+    await view.channel.close()

@@ -82,6 +82,7 @@ def test_a_decode_lost_mid_stream_is_migrated_and_the_stream_is_exact(stack, tin
         assert [e.token_id for e in events] == want
         assert result.token_ids == want and result.finish_reason == "length"
         assert result.usage["completion_tokens"] == MAX_TOKENS
+        assert 0 < result.timings["ttft_ms"] < result.timings["total_ms"]  # the first attempt's first token
         survivor = next(d for d in stack.decodes if d is not victim)
         assert result.route["decode"] == survivor.address
         assert "migrating the request to another decode worker" in stack.router.log()

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pdserve.engine.sampling import SamplingParams
+from pdserve.errors import Unavailable
 from pdserve.v1 import common_pb2
 from services.router.route_types import Summary, TokenOut
 from services.router.router import Router
@@ -77,6 +78,9 @@ async def run(router: Router, jobs: list[ChoiceJob]) -> AsyncIterator[Token | En
             queue.put_nowait(None)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)
+        except asyncio.CancelledError:  # (by the consumer's end, or a call cut short under it)
+            queue.put_nowait(Unavailable("a choice's backend call was cancelled"))
+            raise
 
     tasks = [asyncio.create_task(feed(j)) for j in jobs]
     try:
