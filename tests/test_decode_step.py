@@ -80,3 +80,14 @@ def test_decode_steps_run_their_layers_in_one_call_with_the_layer_by_layer_bits(
     assert [t for t, _ in packed][::2] == [t for t, _ in one_call][::2]  # greedy rows: the same tokens
     run()  # plain again: the table is back
     assert len(fused_rows) > calls
+
+
+def test_a_tiny_temperature_draws_the_top_token_not_nan():
+    """Any temperature in (0, 100] is valid; at 1e-38 the top logit divided by it overflowed to
+    inf, softmax gave NaN, the draw raised and every request in the step failed with it."""
+    from pdserve.engine.sampling import sample
+
+    logits = torch.randn(3, 258)
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-38, 1e-45)] + [GREEDY]
+    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1), None])
+    assert tokens == logits.max(dim=-1).indices.tolist()

@@ -50,6 +50,9 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(tiny):
             await thread.call(lambda e: e.add_request("bad", [1, 2, 3], _poisoned()))
             with pytest.raises(EngineFailed, match="the engine failed while running this request"):
                 await bad
+            # Out of the schedule, its pages kept until its handler aborts it (it may be shipping them).
+            assert (await thread.call(lambda e: e.load()))["free_kv_blocks"] == 63
+            assert await thread.call(lambda e: e.abort("bad"))
             good = asyncio.ensure_future(_tokens(thread, "good"))
             await thread.call(lambda e: e.add_request("good", prompt, GREEDY))
             assert await good == expected

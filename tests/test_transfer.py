@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
+from pdserve.errors import status_for
 from pdserve.kvclient.transfer import Span, Transfer, TransferError
 
 
@@ -91,8 +93,9 @@ def test_a_failed_transfer_raises_with_its_cause(engines):
     b.register(buf)
     with pytest.raises(TransferError, match=r"failed \(failed; 1 slices, 4096 bytes\)"):
         b.read(a.segment, [Span(buf.data_ptr(), 12345678, 4096)])  # not memory the peer registered
-    with pytest.raises(TransferError, match=r"127\.0\.0\.1:1 failed \(submit refused"):
+    with pytest.raises(TransferError, match=r"127\.0\.0\.1:1 failed \(submit refused") as err:
         b.read("127.0.0.1:1", [Span(buf.data_ptr(), 12345678, 4096)])  # no such peer
+    assert status_for(err.value) == grpc.StatusCode.UNAVAILABLE  # (a service answers it so, not INTERNAL)
 
 
 class FirstStatusFails:

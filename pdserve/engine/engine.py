@@ -128,6 +128,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
+    def halt(self, request_id: str) -> bool:
+        return self.scheduler.halt(request_id)
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[GenerationResult]:

@@ -45,7 +45,9 @@ def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[flo
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits / p.temperature
+    # Shifted so the top logit is 0 before dividing: a tiny temperature (1e-38 is valid) then sends
+    # the others to -inf, where dividing the logits themselves made the top one inf, then NaN.
+    scaled = (logits - logits.max()) / p.temperature
     if p.top_k:
         kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -228,6 +228,19 @@ class Scheduler:
         self._finish(seq, FinishReason.ABORT)
         return True
 
+    def halt(self, request_id: str) -> bool:
+        """A request whose step failed: out of the schedule at once, its pages kept until `abort`
+        (its worker may still be shipping blocks an earlier step wrote in them)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status == SequenceStatus.FINISHED:
+            return False
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        return True
+
     def release(self, request_id: str) -> None:
         """Prefill side: the held KV was exported (or is no longer wanted); free its pages."""
         seq = self.seqs.get(request_id)

@@ -9,7 +9,6 @@ counted as read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
@@ -39,6 +38,7 @@ from pdserve.kvclient.results import (
 from pdserve.kvclient.transfer import Span, Transfer, TransferError, block_spans
 from pdserve.rpc.convert import hashes_to_pb, profile_from_pb, profile_to_pb
 from pdserve.runtime.server import channel
+from pdserve.runtime.tasks import to_thread_to_end
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -302,19 +302,10 @@ class StoreClient:
         transfer = self._require_transfer()
         if not self.segment:
             await self.connect()
-        move = asyncio.ensure_future(asyncio.to_thread(transfer.write if write else transfer.read, self.segment,
-                                                        spans, on_done))
         try:
-            return await asyncio.shield(move)
-        except asyncio.CancelledError:
-            # The engine cannot stop a move: until its thread returns, bytes may still land in the
-            # caller's memory, which the caller hands on (KV pages, staging slots) once this
-            # returns. So a cancelled move is waited out; a stopped peer holds it, and that memory.
-            while not move.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([move])
-            move.exception()  # (retrieved: the caller was cancelled, the move's own failure is moot)
-            raise
+            # The engine cannot stop a move: a cancelled one is waited out, so the caller never hands
+            # on memory it may still land bytes in (a stopped peer holds it, and that memory).
+            return await to_thread_to_end(transfer.write if write else transfer.read, self.segment, spans, on_done)
         except TransferError:
             self.segment = ""  # the store may have restarted elsewhere: ask again before the next move
             raise

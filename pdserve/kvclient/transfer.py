@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import logs
+from pdserve.errors import Unavailable
 from pdserve.runtime import bind_host
 
 log = logs.get("kv.transfer")
@@ -26,8 +27,9 @@ FIRST_SLEEP_S, MAX_SLEEP_S = 20e-6, 1e-3  # polls of a move in flight: 20 µs ap
 SLICE_BYTES = 16 << 20
 
 
-class TransferError(RuntimeError):
-    pass
+class TransferError(Unavailable):
+    """A move that failed or could not start: the peer (a store, most often) is down or gone, so
+    its callers answer UNAVAILABLE, as for any unreachable service."""
 
 
 # What an async submit returns when it could not start: 0, or -1 as the engine's unsigned batch id.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from pdserve import logs
@@ -23,6 +24,22 @@ async def cancel_and_wait(task: asyncio.Task | None, timeout_s: float = 5.0) -> 
         return
     if not task.cancelled():
         task.exception()  # retrieved: a failure was the task's own to report; stopping it is all asked here
+
+
+async def to_thread_to_end(fn: Callable, *args):
+    """`fn(*args)` in a thread, awaited to its end even when the caller is cancelled (the
+    cancellation is raised once it has ended). For work no one can stop midway that uses the
+    caller's memory (a transfer landing bytes, a copy into KV pages): the caller must not hand
+    that memory on while it may still be written."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([work])
+        work.exception()  # (retrieved: the caller was cancelled, the work's own failure is moot)
+        raise
 
 
 async def bounded_close(client, timeout_s: float = 2.0) -> None:

@@ -129,8 +129,8 @@ class EngineThread:
         self.failed_steps += 1
         log.exception("engine step failed: its requests are aborted", requests=batch[:8], in_a_row=self.failed_steps)
         try:
-            for rid in batch:
-                self.engine.abort(rid)
+            for rid in batch:  # (pages kept until each one's handler aborts it: it may be shipping them)
+                self.engine.halt(rid)
         except Exception as abort_error:  # noqa: BLE001
             self.die(f"aborting a failed step's requests failed: {abort_error!r}")
             return

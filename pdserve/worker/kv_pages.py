@@ -22,6 +22,7 @@ import torch
 from pdserve.engine.kv_cache import KVCache
 from pdserve.errors import Unavailable
 from pdserve.kvclient.transfer import Transfer
+from pdserve.runtime.tasks import to_thread_to_end
 from pdserve.worker.config import KV_PATHS
 
 
@@ -79,7 +80,7 @@ class StagedPages:
         """The pages' bytes copied into staging slots (after the compute queued so far, which
         wrote them), as addresses for the transfer engine."""
         async with self._slots(len(pages)) as slots:
-            await asyncio.to_thread(self._copy, slots, pages, to_staging=True)
+            await to_thread_to_end(self._copy, slots, pages, True)  # (its slots are not handed on midway)
             yield self._addresses(slots)
 
     @asynccontextmanager
@@ -88,7 +89,7 @@ class StagedPages:
         this returns) when the block ends without an error, and not at all otherwise."""
         async with self._slots(len(pages)) as slots:
             yield self._addresses(slots)
-            await asyncio.to_thread(self._copy, slots, pages, to_staging=False)
+            await to_thread_to_end(self._copy, slots, pages, False)  # (nor its pages)
 
     def _addresses(self, slots: list[int]) -> list[int]:
         return [self.base + s * self.block_nbytes for s in slots]
@@ -108,9 +109,12 @@ class StagedPages:
         try:
             yield slots
         finally:
-            async with self._returned:
-                self._free = sorted(self._free + slots)
-                self._returned.notify_all()
+            self._free = sorted(self._free + slots)  # (at once: a cancel while awaiting the lock lost them)
+            await asyncio.shield(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._returned:
+            self._returned.notify_all()
 
     def _copy(self, slots: list[int], pages: list[int], to_staging: bool) -> None:
         at = torch.tensor(slots, dtype=torch.long)

@@ -92,6 +92,8 @@ class Decoder:
         if not entry.first.done():
             entry.first.set_result(first)
             entry.last_activity = time.monotonic()
+        elif first.hold_lease_id and first.hold_lease_id != entry.first.result().hold_lease_id:
+            self.w.store.release_soon(first.hold_lease_id)  # a second handoff's: nobody will pull it
 
     async def cancel(self, request_id: str) -> bool:
         entry = self.inflight.get(request_id)
@@ -155,9 +157,11 @@ class Decoder:
             self.w.engine.close_stream(rid)
             self.inflight.pop(rid, None)
             if live:
-                await asyncio.shield(self.w.engine.call(lambda e: e.abort(rid)))
-                if not req.colocated and len(req.prompt_ids) % self.w.cfg.block_size:
-                    await asyncio.shield(self._drop_tail(req.tail_key or rid))
+                try:
+                    await asyncio.shield(self.w.engine.call(lambda e: e.abort(rid)))
+                finally:  # (a dead engine refuses the abort: the tail goes all the same)
+                    if not req.colocated and len(req.prompt_ids) % self.w.cfg.block_size:
+                        await asyncio.shield(self._drop_tail(req.tail_key or rid))
 
     async def _drop_tail(self, tail_key: str) -> None:
         """A request that ends before its tail was pulled: consume the tail (read-once) so it does

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdserve import logs
@@ -84,8 +85,11 @@ class Prefiller:
         span = tracer.start_span("prefill", attributes={"request_id": req.request_id,
                                                         "prompt_tokens": len(req.prompt_ids)})
         try:
-            async for out in self._prefill(req):
-                yield out
+            # aclosing: the entry goes only once _prefill's own cleanup has run (a retry of the same
+            # id arriving meanwhile would otherwise pass the check above, then lose its stream).
+            async with aclosing(self._prefill(req)) as outs:
+                async for out in outs:
+                    yield out
         finally:
             span.end()
             self.inflight.pop(req.request_id, None)
@@ -153,11 +157,13 @@ class Prefiller:
         except BaseException:
             # Abort even when `reserve` was still in flight as we were cancelled: the engine runs
             # commands in order, so this abort follows it (and is a no-op for unknown ids).
-            await asyncio.shield(w.engine.call(lambda e: e.abort(rid)))
-            if alloc is not None:  # the store releases the hold with it
-                await asyncio.shield(w.store._release_quietly(alloc.lease_id))
-            elif hold:
-                await asyncio.shield(w.store._release_quietly(hold))
+            try:
+                await asyncio.shield(w.engine.call(lambda e: e.abort(rid)))
+            finally:  # (a dead engine refuses the abort: the store's leases go all the same)
+                if alloc is not None:  # the store releases the hold with it
+                    await asyncio.shield(w.store._release_quietly(alloc.lease_id))
+                elif hold:
+                    await asyncio.shield(w.store._release_quietly(hold))
             raise
         finally:
             if renewal is not None:
