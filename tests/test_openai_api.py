@@ -16,7 +16,7 @@ from pdserve.client import Client
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.model.chat_template import ChatTemplate
+from pdserve.model.chat_template import ChatTemplate, TemplateError
 from pdserve.model.loader import load_model
 from tests.support.credentials import API_KEY
 from tests.support.stack import SETTLED, Stack, settled
@@ -262,6 +262,11 @@ def _post(stack, path, body, key=API_KEY, raw=None):
     ({"model": "tiny"}, 400, None, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found", "model"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 3000}, 429, "resource_exhausted", None),
+    # One request may start at most 64 generations (its prompts times n), checked before any is tokenized.
+    ({"model": "tiny", "prompt": [[1]] * 10, "n": 7, "max_tokens": 1}, 400, None, "prompt"),
+    ({"model": "tiny", "prompt": [True, False]}, 400, None, "prompt.str"),  # (not token ids 1, 0)
+    ({"model": "tiny", "prompt": "x", "top_k": 1 << 32}, 400, None, "top_k"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [1 << 31]}, 400, None, "stop_token_ids"),
 ])
 def test_error_paths_status_and_body(stack, body, status, code, param):
     t0 = time.perf_counter()
@@ -363,3 +368,30 @@ def test_unavailable_deadline_and_an_error_after_the_stream_started(stack, tmp_p
         empty.stop()
         short.stop()
     assert asyncio.run(settled(stack)) == SETTLED
+
+
+def test_nulls_mean_the_default_and_a_template_that_cannot_use_a_field_is_a_400(stack):
+    """OpenAI's clients send null for "not set"; a chat template fed a field of the wrong shape
+    (here tool_calls: 5 where the template loops over them) answers 400, not 500."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = _post(stack, "/v1/completions", {**body, "n": None, "stream": None})
+    assert r.status_code == 200, r.text
+    plain = _post(stack, "/v1/completions", body).json()["choices"]
+    assert [c["text"] for c in r.json()["choices"]] == [plain[0]["text"]]
+    r = _post(stack, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 2, "logprobs": None})
+    assert r.status_code == 200, r.text
+    tmpl = ChatTemplate("{% for m in messages %}{% for t in m.tool_calls %}{{ t }}{% endfor %}{% endfor %}", {})
+    with pytest.raises(TemplateError, match="could not use the messages"):
+        tmpl.render([{"role": "assistant", "content": "", "tool_calls": 5}])
+
+
+def test_a_chunked_body_over_the_limit_is_413(stack):
+    def chunks():
+        for _ in range(2048):
+            yield b" " * 1024  # 2 MiB of whitespace, no Content-Length: over the tiny model's limit
+
+    with httpx.Client(timeout=30) as h:
+        r = h.post(f"{stack.http}/v1/completions", content=chunks(),
+                   headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

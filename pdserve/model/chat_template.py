@@ -67,6 +67,9 @@ class ChatTemplate:
                                          **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"the model's chat template refused the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a field of the wrong shape
+            raise TemplateError(f"the model's chat template could not use the messages "
+                                f"({type(e).__name__}: {e})") from e
 
     @classmethod
     def for_model(cls, name_or_path: str) -> ChatTemplate | None:

@@ -65,6 +65,8 @@ class TlsFiles:
     cert: bytes
     key: bytes
     ca: bytes | None
+    cert_path: str = ""  # (the files they were read from: the HTTP server loads them itself)
+    key_path: str = ""
 
 
 class Caller(Enum):
@@ -104,7 +106,7 @@ class Credentials:
         tls = None
         if cfg.tls_cert:
             tls = TlsFiles(Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes(),
-                           Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None)
+                           Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None, cfg.tls_cert, cfg.tls_key)
         return cls(token, tuple(k.strip() for k in keys if k.strip()), cfg.insecure, tls)
 
     def refusal(self) -> str | None:

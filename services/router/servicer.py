@@ -9,6 +9,7 @@ from pdserve.errors import InvalidArgument
 from pdserve.rpc.convert import sampling_from_pb
 from pdserve.rpc.stream_interval import grouped, packed
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.limits import check_request_id
 from services.router.route_types import Summary, TokenOut
 from services.router.router import Router
 
@@ -41,6 +42,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.stream_interval = stream_interval  # tokens a Generate message carries (the first goes alone)
 
     async def _request(self, request):
+        check_request_id(request.request_id)
         logs.bind_request_id(request.request_id)
         which = request.WhichOneof("prompt")
         if which is None:

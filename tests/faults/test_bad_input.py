@@ -225,3 +225,12 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(stack, eng
         assert c.generate(ids(25, 5), request_id=rid, max_tokens=4, ignore_eos=True).token_ids == expected(
             engine, ids(25, 5), 4)
     _healthy_and_clean(stack, engine)
+
+
+@pytest.mark.parametrize("rid", ["x~1", "a b", "é", "r" * 129])
+def test_a_request_id_the_router_could_confuse_is_refused(stack, rid):
+    """'~' is the router's: it names a request's retries and migrations `<id>~<n>` on the workers
+    and in the store, so a client's "x~1" would collide with the retry of another's "x"."""
+    with Client(stack.router.address) as c:
+        cls, msg, seconds = _refused(lambda: c.generate(ids(10, 6), request_id=rid, max_tokens=2))
+    assert cls is errors.InvalidArgument and "request_id must be" in msg and seconds < 1.0

@@ -3,11 +3,13 @@ TLS on the router's client port; plaintext and certificate-less callers get nowh
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import time
 import uuid
 
 import grpc
+import httpx
 import pytest
 
 from pdserve import errors
@@ -50,8 +52,14 @@ def test_mtls_inside_tls_at_the_router_and_no_plaintext(shared_redis_url, tmp_pa
     s = Stack(shared_redis_url, f"pdtest-tls-{uuid.uuid4().hex[:8]}", env=files)
     try:
         s.start(num_prefill=1, num_decode=1)  # workers reach the store over mTLS, or never start
-        s.start_router(env=files)
+        port_file = tmp_path / "http-port"
+        s.start_router("--http-port", "0", "--http-port-file", str(port_file), env=files)
         ca = files["PDSERVE_TLS_CA"]
+        http = f"127.0.0.1:{int(port_file.read_text())}"  # the OpenAI API: HTTPS with the same certificate
+        with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=10) as h:
+            assert h.get(f"https://{http}/health").json()["status"] == "ok"
+        with httpx.Client(timeout=10) as h, pytest.raises(httpx.HTTPError):  # no API key in clear
+            h.get(f"http://{http}/health")
         with Client(s.router.address, ca_path=ca) as c:  # TLS, no client certificate: an API key
             deadline = time.time() + 20
             while sum(w.healthy for w in c.status().workers) < 2:  # router -> workers over mTLS

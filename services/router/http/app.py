@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve import logs
 from pdserve.model.chat_template import ChatTemplate, TemplateError
@@ -23,7 +24,7 @@ from pdserve.runtime import auth
 from services.router.http import schema
 from services.router.http.choices import ChoiceJob, run
 from services.router.http.errors import ApiError, describe, error_body, sse_error
-from services.router.http.middleware import Accounting
+from services.router.http.middleware import TOO_LARGE, Accounting, too_large_body
 from services.router.http.responses import Shape
 from services.router.router import Router
 
@@ -87,7 +88,7 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
                 raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
                                f"{model_name!r}", param="model", code="model_not_found", kind="not_found_error")
             opts = schema.chat_options(body) if chat else schema.completion_options(body)
-            prompts = await (_chat_prompt(body) if chat else _completion_prompts(body))
+            prompts = await (_chat_prompt(body) if chat else _completion_prompts(body, opts.n))
             shape = Shape(chat, model_name, router.tokenizer, opts.logprobs, len(prompts) * opts.n, opts.include_usage,
                           router.cfg.stream_interval)
             shape.n, shape.prompt_tokens = opts.n, [len(p) for p in prompts]
@@ -102,6 +103,10 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
                                            "invalid_request_error", param or None, None), status_code=400)
         except ClientGone:
             return Response(status_code=499)
+        except ClientDisconnect:  # (or a body that ran past the limit: the middleware said so)
+            if (limit := request.scope.get(TOO_LARGE)) is not None:
+                return JSONResponse(too_large_body(limit), status_code=413)
+            return Response(status_code=499)
         except Exception as e:
             return _error_response(e)
 
@@ -113,12 +118,15 @@ def build_app(router: Router, model_name: str, template: ChatTemplate | None, ga
         params = router.limits.sampling(replace(opts.params, max_tokens=wanted, seed=seed), len(ids))
         return ChoiceJob(index, f"{base_id}-{index}", ids, params, opts.stop)
 
-    async def _completion_prompts(body: schema.CompletionBody) -> list[list[int]]:
+    async def _completion_prompts(body: schema.CompletionBody, n: int) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             p = [p]
         if not p:
             raise ApiError(400, "prompt is empty", param="prompt")
+        if len(p) * n > schema.MAX_CHOICES:  # (before any is tokenized: each would start a generation)
+            raise ApiError(400, f"{len(p)} prompts with n={n} ask for {len(p) * n} generations, at most "
+                           f"{schema.MAX_CHOICES} per request: send them in several", param="prompt")
         check = router.limits.prompt_ids
         return [await check(x, None) if isinstance(x, str) else await check(None, x) for x in p]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+TOO_LARGE = "pdserve.body_over_limit"  # set in the scope of a request whose body ran past the limit
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -32,7 +33,8 @@ class Accounting:
             async def bounded():
                 message = await receive()
                 seen[0] += len(message.get("body", b""))
-                if seen[0] > self.max_body_bytes:  # (a body longer than it said)
+                if seen[0] > self.max_body_bytes:  # (a body longer than it said, or a chunked one)
+                    scope[TOO_LARGE] = self.max_body_bytes  # (the endpoint answers 413: not a disconnect)
                     return {"type": "http.disconnect"}
                 return message
 
@@ -42,9 +44,13 @@ class Accounting:
             self.metrics.count_labeled("http_errors", endpoint=endpoint, status=str(status[0]))
 
 
+def too_large_body(limit: int) -> dict:
+    return {"error": {"message": f"request body over {limit} bytes, this deployment's limit",
+                      "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+
+
 async def _too_large(send, limit: int) -> None:
-    body = json.dumps({"error": {"message": f"request body over {limit} bytes, this deployment's limit",
-                                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}})
+    body = json.dumps(too_large_body(limit))
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body.encode()})

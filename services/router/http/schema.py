@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve import logs
 from pdserve.engine.sampling import SamplingParams
@@ -14,6 +14,8 @@ from services.router.http.errors import ApiError
 
 log = logs.get("router.http")
 MAX_N = 16  # choices per request
+MAX_CHOICES = 64  # generations one request may start: its prompts times n
+MAX_TOKEN_ID = (1 << 31) - 1  # a token id, as the workers' messages carry it
 MAX_STOP_STRINGS = 16
 
 # OpenAI fields the engine does not implement, with the values that ask for nothing.
@@ -27,7 +29,7 @@ _logged_unknown: set[str] = set()
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False  # (null: OpenAI's clients send it for "not set")
 
 
 class _Common(BaseModel):
@@ -40,23 +42,23 @@ class _Common(BaseModel):
     top_k: int | None = None  # (vLLM's; -1 or 0: off)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # (vLLM's)
+    stop_token_ids: list[StrictInt] | None = None  # (vLLM's)
     ignore_eos: bool = False  # (vLLM's)
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1  # (null, as OpenAI takes it: the default)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
 
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # (strict: true is not a token id)
     logprobs: int | None = None
 
 
 class ChatBody(_Common):
     messages: list[dict] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
 
@@ -86,18 +88,23 @@ def check_fields(body: _Common) -> None:
 
 def options(body: _Common, max_tokens: int | None, want_logprobs: bool) -> Options:
     check_fields(body)
-    if not 1 <= body.n <= MAX_N:
-        raise ApiError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
     if body.seed is not None and not 0 <= body.seed < 1 << 63:
         raise ApiError(400, f"seed must be in [0, 2^63), got {body.seed}", param="seed")
-    if body.top_k is not None and body.top_k < -1:
-        raise ApiError(400, f"top_k must be -1 or 0 (off) or positive, got {body.top_k}", param="top_k")
+    if body.top_k is not None and not -1 <= body.top_k <= MAX_TOKEN_ID:
+        raise ApiError(400, f"top_k must be -1 or 0 (off) or positive (at most {MAX_TOKEN_ID}), got {body.top_k}",
+                       param="top_k")
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in body.stop_token_ids or ()):
+        raise ApiError(400, f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]", param="stop_token_ids")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    if body.stream_options is not None and not body.stream:
+    stream = bool(body.stream)
+    if body.stream_options is not None and not stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     try:
         params = SamplingParams(
@@ -106,7 +113,7 @@ def options(body: _Common, max_tokens: int | None, want_logprobs: bool) -> Optio
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
-    return Options(max_tokens, params, stop, body.n, want_logprobs, body.stream,
+    return Options(max_tokens, params, stop, n, want_logprobs, stream,
                    bool(body.stream_options and body.stream_options.include_usage))
 
 
@@ -124,7 +131,7 @@ def chat_options(body: ChatBody) -> Options:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return options(body, wanted, body.logprobs)
+    return options(body, wanted, bool(body.logprobs))
 
 
 def message_text(messages: list[dict]) -> list[dict]:

@@ -9,6 +9,8 @@ import socket
 
 import uvicorn
 
+from pdserve.runtime import auth
+
 STOP_S = 3.0  # open streams are given this long to finish on stop
 
 
@@ -20,12 +22,15 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """Owns the listening socket and uvicorn's serving task."""
 
-    def __init__(self, app, host: str, port: int):
+    def __init__(self, app, host: str, port: int, tls: auth.TlsFiles | None = None):
+        """tls: the router's certificate (--tls-cert, --tls-key): HTTPS, as its gRPC port serves TLS,
+        so no API key crosses the network in clear."""
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          reuse_port=False)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=STOP_S, server_header=False)
+                                timeout_graceful_shutdown=STOP_S, server_header=False,
+                                ssl_certfile=tls.cert_path if tls else None, ssl_keyfile=tls.key_path if tls else None)
         self.server = _Server(config)
         self.task: asyncio.Task | None = None
 
