@@ -89,3 +89,35 @@ def test_steps_failing_in_a_row_stop_the_engine_and_every_waiter_is_told(tiny):
             thread.stop()
 
     asyncio.run(run())
+
+
+def test_a_head_that_waits_for_pages_does_not_spin_the_engine_thread(tiny):
+    """Nothing running, the waiting head short of pages another request holds: each step schedules
+    nothing, so the thread waits for a command (only one frees pages) instead of stepping empty
+    thousands of times a second, holding the GIL the event loop needs to free them."""
+    import time
+
+    from pdserve.engine.config import Role
+
+    async def run():
+        thread = EngineThread(LLMEngine(tiny, EngineConfig(num_blocks=4, role=Role.PREFILL)))
+        thread.start()
+        try:
+            held = thread.open_stream("held")
+            await thread.call(lambda e: e.add_request("held", list(range(60)), GREEDY))  # 4 pages, kept
+            while not hasattr(next_event(await asyncio.wait_for(held.get(), 30)), "token_id"):
+                pass
+            await thread.call(lambda e: e.add_request("waits", list(range(60)), GREEDY))
+            before = thread.steps
+            await asyncio.sleep(1.0)
+            assert thread.steps - before <= 5  # (at most one empty step per command wait, 0.5 s each)
+            assert len(await thread.call(lambda e: e.scheduler.waiting)) == 1
+            await thread.call(lambda e: e.release("held"))  # a command: the head is admitted
+            t0 = time.monotonic()
+            while await thread.call(lambda e: len(e.scheduler.waiting)):
+                assert time.monotonic() - t0 < 10
+                await asyncio.sleep(0.05)
+        finally:
+            thread.stop()
+
+    asyncio.run(run())

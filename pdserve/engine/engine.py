@@ -111,6 +111,7 @@ class LLMEngine:
         output = self.scheduler.schedule()
         self.last_batch = [c.seq.request_id for c in output.chunks]  # what a step that raises was running
         if not output.chunks:
+            self.last_progress = {}
             return []
         sampled = self.runner.run(output)
         now = time.perf_counter()

@@ -106,8 +106,9 @@ class EngineThread:
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        starved = False  # the last step scheduled nothing (its head waits for pages): only a command can change that
         while not self._stopped.is_set():
-            self._drain_commands(block=not self.engine.has_work())
+            self._drain_commands(block=starved or not self.engine.has_work())
             self.load = self.engine.load()  # before the step too: a long one must not hide its work
             if self._stopped.is_set() or not self.engine.has_work():
                 continue
@@ -119,6 +120,7 @@ class EngineThread:
                 self._step_failed(e)
                 continue
             self.step_started = None
+            starved = not self.engine.last_batch
             self.failed_steps = 0
             self.steps += 1
             self._publish(events, dict(self.engine.last_progress))
