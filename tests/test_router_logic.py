@@ -325,3 +325,64 @@ def test_a_departed_workers_channel_closes_only_once_no_request_is_on_it():
 
     asyncio.run(go())
     assert closed == [None]
+
+
+def test_a_handoff_failing_after_decode_has_every_block_does_not_fail_the_request():
+    """Decode streams tokens past the first only once it has read every block, so a prefill that
+    fails after that (its last commit's answer lost, its process gone) is not the request's
+    failure: the stream goes on. Before it has, the failure is the request's. Stand-ins for the
+    two workers' gRPC calls."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+    from services.router.dispatch import DispatchError, Finished, disaggregated
+
+    gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+
+    class Call:  # a streaming call: its messages in order, a number is a pause, an error is raised
+        def __init__(self, *items):
+            self.items = list(items)
+
+        async def read(self):
+            while self.items and isinstance(self.items[0], float):
+                await asyncio.sleep(self.items.pop(0))
+            if not self.items:
+                return grpc.aio.EOF
+            item = self.items.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+        def cancel(self):
+            pass
+
+    def token(i, finish=common_pb2.FINISH_REASON_UNSPECIFIED):
+        return decode_pb2.DecodeEvent(token=common_pb2.TokenEvent(token_id=10 + i, index=i, finish_reason=finish))
+
+    first = prefill_pb2.PrefillEvent(first=prefill_pb2.PrefillResponse(first_token=common_pb2.TokenEvent(token_id=10)))
+
+    def stubs(prefill_fails_after: float):
+        done = decode_pb2.DecodeEvent(done=decode_pb2.DecodeDone())
+        decode_call = Call(decode_pb2.DecodeEvent(admitted=decode_pb2.Admitted()), 0.05, token(1), 0.3, token(2),
+                           token(3, common_pb2.FINISH_REASON_LENGTH), done)
+
+        async def first_token(*a, **kw):
+            return decode_pb2.FirstTokenResponse()
+
+        decode = type("D", (), {"Generate": lambda self, *a, **kw: decode_call, "FirstToken": first_token})()
+        prefill = type("P", (), {"Prefill": lambda self, *a, **kw: Call(first, prefill_fails_after, gone)})()
+        return prefill, decode
+
+    async def run(prefill_fails_after: float):
+        prefill, decode = stubs(prefill_fails_after)
+        return [ev async for ev in disaggregated(prefill, decode, "r", [1, 2, 3], common_pb2.SamplingParams())]
+
+    events = asyncio.run(run(0.2))  # after decode's token 1: its outcome is moot
+    assert [ev.index for ev in events if isinstance(ev, common_pb2.TokenEvent)] == [1, 2, 3]
+    assert isinstance(events[-1], Finished)
+    with pytest.raises(DispatchError) as err:  # before decode's token 1: the request's failure
+        asyncio.run(run(0.01))
+    assert err.value.side == "prefill" and err.value.code == grpc.StatusCode.UNAVAILABLE

@@ -90,6 +90,7 @@ async def disaggregated(
         timeout=timeout_s)
     prefill_call = handoff = None
     answered = False  # the last token (or the result) is out: the request is done
+    pulled = False  # decode sent a token past the first: it streams only once it has read every block
     try:
         admitted = await _expect(decode_call, "decode", "admitted", "stream did not start with admission")
         yield DecodeAdmitted(time.perf_counter())
@@ -112,13 +113,15 @@ async def disaggregated(
         except grpc.aio.AioRpcError as e:
             raise await _decode_failure(decode_call, e) from e
         try:
-            while (event := await _next(decode_call, handoff)) is not grpc.aio.EOF:
+            # Once decode has every block, the handoff's outcome is no longer this request's.
+            while (event := await (decode_call.read() if pulled else _next(decode_call, handoff))) is not grpc.aio.EOF:
                 if event.HasField("done"):
                     answered = True
                     yield Finished(event.done, admitted, _timings(handoff))
                     return
                 for token in events_of(event):
                     if token.index > 0:
+                        pulled = True
                         answered = answered or token.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                         yield token
             raise DispatchError(grpc.StatusCode.INTERNAL, "decode: stream ended without a result")
@@ -126,9 +129,9 @@ async def disaggregated(
             raise _error("decode", e) from e
     finally:
         decode_call.cancel()
-        if answered and handoff is not None and not handoff.done():
-            # Answered in full while prefill's last commits are still being confirmed: they are
-            # its prefix cache, so its call runs on to its end (its deadline bounds it).
+        if (answered or pulled) and handoff is not None and not handoff.done():
+            # Pulled (or answered in full) while prefill's last commits are still being confirmed:
+            # they are its prefix cache, so its call runs on to its end (its deadline bounds it).
             _finishing.add(handoff)
             handoff.add_done_callback(_forget)
         elif prefill_call is not None:
