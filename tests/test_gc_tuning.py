@@ -43,9 +43,12 @@ def test_a_second_tune_changes_nothing_and_returns_the_first_watch():
     try:
         watch = gc_tuning.tune(slow_ms=1e9)
         frozen = gc.get_freeze_count()
+        made = [[] for _ in range(1000)]  # tracked objects a second freeze would take in
         assert gc_tuning.tune(slow_ms=1.0) is watch and watch.slow_ms == 1e9
         assert sum(isinstance(cb, gc_tuning.PauseWatch) for cb in gc.callbacks) == 1
-        assert gc.get_freeze_count() == frozen
+        # Not frozen again. (Not `== frozen`: another thread of this process may free frozen objects
+        # meanwhile, seen in CI as 2 fewer.)
+        assert gc.get_freeze_count() < frozen + len(made)
     finally:
         gc.callbacks.remove(watch)
         gc.unfreeze()
