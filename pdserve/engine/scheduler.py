@@ -210,11 +210,14 @@ class Scheduler:
             self.pool.cache(seq.block_table[i], h)
 
     # -- ending ----------------------------------------------------------------------------
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _unschedule(self, seq: Sequence) -> None:
         if seq.status == SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._unschedule(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
@@ -234,10 +237,7 @@ class Scheduler:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status == SequenceStatus.FINISHED:
             return False
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        self._unschedule(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 

@@ -216,7 +216,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if written:
             self._require_open(lease)
             full = [b for b in written if not b.is_tail]
-            tail = written[-1] if written and written[-1].is_tail else None
+            tail = written[-1] if written[-1].is_tail else None
             self.store.commit("", lease.lease_id, [b.key for b in full], [checksum_of(self._view(b)) for b in full],
                               tail is not None, checksum_of(self._view(tail)) if tail else 0, h.tail_lease_ms)
         return pb.PutBytesResponse(written=len(written),

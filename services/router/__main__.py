@@ -70,10 +70,11 @@ async def main() -> None:
     if cfg.http_port >= 0:
         template = ChatTemplate.for_model(cfg.model)
         app = build_app(router, cfg.served_model_name or cfg.model, template, lambda: store_gauges(cfg.store))
-        http = HttpServer(app, cfg.host, cfg.http_port, auth.current().tls)
+        tls = auth.current().tls
+        http = HttpServer(app, cfg.host, cfg.http_port, tls)
         await http.start()
         write_port_file(cfg.http_port_file, http.port)
-        log.info("OpenAI-compatible HTTP API", url=f"{'https' if auth.current().tls else 'http'}://{cfg.host}:{http.port}/v1",
+        log.info("OpenAI-compatible HTTP API", url=f"{'https' if tls else 'http'}://{cfg.host}:{http.port}/v1",
                  chat_template="yes" if template else "none (chat requests refused)")
     lag = asyncio.create_task(measure_loop_lag(lambda ms: metrics.observe("loop_lag_ms", ms)), name="loop-lag")
     gc_tuning.tune()

@@ -294,8 +294,8 @@ class Router:
                    deadline: float) -> bool:
         """Whether a failure on `side` may be hidden by trying again elsewhere: one that another
         worker might not have, with retries left, time left, and another worker to go to."""
-        return (e.side == side and e.code in RETRY_ON and worker is not None and done < allowed and time.monotonic()
-                < deadline and any(w.worker_id != worker.worker_id for w in self.pool.usable(side)))
+        return (e.side == side and e.code in RETRY_ON and worker is not None and time.monotonic() < deadline
+                and done < allowed and any(w.worker_id != worker.worker_id for w in self.pool.usable(side)))
 
     async def _attempt(self, request_id: str, ids: list[int], params: SamplingParams, route: Route,
                        summary: Summary, deadline: float):
