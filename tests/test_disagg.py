@@ -13,6 +13,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+from pdserve.model.tokenizer import TextStream
 from pdserve.rpc.stream_interval import events_of
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.router.dispatch import DecodeAdmitted, DispatchError, Finished, FirstFromPrefill, disaggregated
@@ -366,3 +367,31 @@ def test_decode_reuses_its_own_prefix_cache_and_colocated_mode(stack, engine):
     assert [t.token_id for e in events for t in events_of(e)] == expected(engine, prompt(77, salt=5))
     assert events[0].HasField("admitted") and events[-1].done.usage.completion_tokens == 8
     assert_clean(stack)
+
+
+def test_decode_text_follows_its_tokens_in_order(stack, engine, tiny):
+    """Decode's text for tokens 1.. continues the first token's: the first token, activated on the
+    engine thread, is detokenized before any token the engine produced after it."""
+    tok = tiny.tokenizer
+
+    async def one(i: int) -> tuple[list[int], str]:
+        pch, p = stubs(stack.prefills[0].address, "prefill")
+        dch, d = stubs(stack.decodes[0].address, "decode")
+        async with pch, dch:
+            tokens, text = [], ""
+            async for ev in disaggregated(p, d, f"text-{i}", prompt(40 + i, salt=300 + i), sampling(12)):
+                if isinstance(ev, FirstFromPrefill):
+                    tokens.append(ev.response.first_token.token_id)
+                elif isinstance(ev, common_pb2.TokenEvent):
+                    tokens.append(ev.token_id)
+                    text += ev.text
+            return tokens, text
+
+    for i in range(6):
+        tokens, text = run(one(i))
+        assert tokens == expected(engine, prompt(40 + i, salt=300 + i), 12)
+        want = TextStream(tok)
+        want.push(tokens[0])
+        assert text == "".join(want.push(t) for t in tokens[1:]) + want.flush()
+    assert_clean(stack)
+

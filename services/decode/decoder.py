@@ -111,10 +111,11 @@ class Decoder:
         live = True  # until the engine reports the request finished; abort is a no-op for unknown ids
         try:
             t0 = time.perf_counter()
+            ahead: list[TokenEvent] = []  # the first token, when decode did not make it itself
             if req.colocated:
                 await self.w.engine.call(lambda e: e.add_request(rid, req.prompt_ids, req.params))
                 yield Admitted(0, 0)
-                first_index, cached_local, pull_ms = 0, 0, 0.0
+                cached_local, pull_ms = 0, 0.0
             else:
                 try:
                     res = await self.w.engine.call(lambda e: e.reserve(rid, req.prompt_ids, req.params))
@@ -128,19 +129,16 @@ class Decoder:
                     span.set_attribute("bytes", pulled * self.w.store.block_nbytes)
                     span.set_attribute("local_hit_blocks", res.num_cached_blocks)
                 cached_local = res.num_cached_blocks * self.w.cfg.block_size
-                ev0 = await self.w.engine.call(lambda e: e.activate(rid, first.token_id, first.logprob))
-                stream.put_nowait(ev0)
-                first_index = 0
+                # Taken before the stream: the engine may have streamed the next token already.
+                ahead.append(await self.w.engine.call(lambda e: e.activate(rid, first.token_id, first.logprob)))
             text = TextStream(self.w.model.tokenizer)
             # Not made current: it spans yields, and a generator closed from another context
             # cannot detach a context it attached (OpenTelemetry logs "Failed to detach context").
             span = tracer.start_span("decode", attributes={"request_id": rid})
             try:
                 while True:
-                    item = next_event(await stream.get())
+                    item = ahead.pop() if ahead else next_event(await stream.get())
                     if isinstance(item, Progress):
-                        continue
-                    if item.index < first_index:
                         continue
                     piece = text.push(item.token_id)
                     if item.finish_reason is not None:
@@ -161,9 +159,9 @@ class Decoder:
                     await asyncio.shield(self.w.engine.call(lambda e: e.abort(rid)))
                 finally:  # (a dead engine refuses the abort: the tail goes all the same)
                     if not req.colocated and len(req.prompt_ids) % self.w.cfg.block_size:
-                        await asyncio.shield(self._drop_tail(req.tail_key or rid))
+                        await asyncio.shield(self.drop_tail(req.tail_key or rid))
 
-    async def _drop_tail(self, tail_key: str) -> None:
+    async def drop_tail(self, tail_key: str) -> None:
         """A request that ends before its tail was pulled: consume the tail (read-once) so it does
         not sit pinned in the store until its TTL. Best effort: the TTL still bounds it."""
         try:
