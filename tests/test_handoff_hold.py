@@ -3,7 +3,9 @@ real prefill and decode workers, a real store, Redis and the transfer engine."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from contextlib import aclosing
 
 import grpc
 import pytest
@@ -13,6 +15,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kv.layout import HashProfile, KVLayout
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.router import dispatch
+from services.router.dispatch import FirstFromPrefill, disaggregated
 from tests.support.stack import Stack, prefill_whole, run, store_stats, stubs
 from tests.test_disagg import B, expected, prompt, sampling
 
@@ -130,7 +134,8 @@ def test_the_first_token_does_not_wait_for_the_handoff(shared_redis_url, key_pre
 
 def test_a_request_that_ends_at_its_first_token_leaves_no_hold(shared_redis_url, key_prefix, engine, tiny):
     """No decode pulls the blocks of a request whose first token is its last (max_tokens=1): the
-    prefill releases the hold itself once its handoff completes, long before its 20 s TTL."""
+    prefill releases the hold itself once its handoff completes, long before its 20 s TTL, and its
+    tail, which no one will read, goes at the store's next reap."""
     s = Stack(shared_redis_url, key_prefix)
     s.start_store()
     s.prefills = [s.worker("prefill", "--tail-ttl-ms", "20000").start()]
@@ -146,10 +151,71 @@ def test_a_request_that_ends_at_its_first_token_leaves_no_hold(shared_redis_url,
         assert first.kv_hold_lease_id and first.first_token.token_id == expected(engine, ids, 1)[0]
         assert first.first_token.finish_reason == common_pb2.FINISH_REASON_LENGTH
         deadline = time.time() + 5.0
-        while time.time() < deadline and run(store_stats(s.store.address)).active_leases:
+        while time.time() < deadline:
+            st = run(store_stats(s.store.address))
+            if (st.active_leases, sum(t.pinned_blocks for t in st.tiers)) == (0, 0):
+                break
             time.sleep(0.1)
-        st = run(store_stats(s.store.address))
-        # Left pinned: the request's tail only, by its TTL (a tail is read once, or lapses).
-        assert (st.active_leases, sum(t.pinned_blocks for t in st.tiers)) == (0, 1)
+        assert (st.active_leases, sum(t.pinned_blocks for t in st.tiers)) == (0, 0)
+        assert st.tiers[0].used_blocks + st.tiers[1].used_blocks == 8  # the prompt's full blocks, the tail gone
+    finally:
+        s.stop()
+
+
+def test_a_handoff_no_decode_waits_for_lets_its_hold_go(shared_redis_url, key_prefix, engine, tiny):
+    """The store's hold on a handoff's blocks, and its tail, go as soon as no decode will pull
+    them, not after their TTL (20 s here): a FirstToken for a request the decode does not have
+    lets them go, and a request that ends between prefill's first token and decode's (here once
+    prefill's handoff is complete) is told to its decode late."""
+    s = Stack(shared_redis_url, key_prefix)
+    s.start_store()
+    procs = [s.worker("prefill", "--tail-ttl-ms", "20000").spawn(), s.worker("decode").spawn()]
+    for proc in procs:
+        proc.wait_ready()
+    s.prefills, s.decodes = procs[:1], procs[1:]
+
+    def held() -> tuple[int, int]:
+        deadline = time.time() + 2.0
+        while True:
+            st = run(store_stats(s.store.address))
+            out = (st.active_leases, sum(t.pinned_blocks for t in st.tiers))
+            if out == (0, 0) or time.time() > deadline:
+                return out
+            time.sleep(0.1)
+
+    async def orphan_first_token():
+        pch, p = stubs(s.prefills[0].address, "prefill")
+        dch, d = stubs(s.decodes[0].address, "decode")
+        async with pch, dch:
+            first = await prefill_whole(p, prefill_pb2.PrefillRequest(
+                request_id="orphan", prompt_token_ids=prompt(5 * B + 2, salt=77), sampling=sampling()), timeout=30)
+            before = (await store_stats(s.store.address)).active_leases
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.FirstToken(decode_pb2.FirstTokenRequest(request_id="orphan", prefill=first), timeout=5)
+            return first.kv_hold_lease_id, before, e.value.code()
+
+    async def ends_at_prefills_first_token():
+        pch, p = stubs(s.prefills[0].address, "prefill")
+        dch, d = stubs(s.decodes[0].address, "decode")
+        async with pch, dch:
+            async with aclosing(disaggregated(p, d, "gone", prompt(3 * B + 1, salt=78), sampling())) as events:
+                async for ev in events:
+                    if isinstance(ev, FirstFromPrefill):
+                        await asyncio.sleep(1.0)  # prefill's handoff completes meanwhile
+                        out = ev.response.kv_hold_lease_id, (await store_stats(s.store.address)).active_leases
+                        break
+            for _ in range(100):  # (the late call runs on this channel: a router's outlives its requests)
+                if not dispatch._finishing:
+                    return out
+                await asyncio.sleep(0.02)
+            raise AssertionError("the late FirstToken did not end")
+
+    try:
+        hold, before, code = run(orphan_first_token())
+        assert hold and before == 1 and code == grpc.StatusCode.NOT_FOUND
+        assert held() == (0, 0)
+        hold, before = run(ends_at_prefills_first_token())
+        assert hold and before == 1  # the hold (decode had pulled every block and consumed the tail)
+        assert held() == (0, 0)
     finally:
         s.stop()

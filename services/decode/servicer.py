@@ -52,6 +52,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except NotFound:
             if first.hold_lease_id:  # nobody here will pull those blocks: let the store have them back
                 self.w.store.release_soon(first.hold_lease_id)
+            if p.tail_key:  # and the tail, read by no one (it would sit pinned for its TTL)
+                await self.decoder.drop_tail(p.tail_key)
             raise
         return decode_pb2.FirstTokenResponse()
 

@@ -135,7 +135,10 @@ class Prefiller:
             # The last blocks are written before the first token goes out (their commits are not
             # awaited): past the yield this runs on only once the token's message is sent, and
             # decode needs them.
-            write_s += await self._ship(alloc, pages, shipped, len(pages))
+            # A request that ends at its first token has no decode to read its tail: it goes at
+            # the store's next reap rather than pinned for the tail's TTL.
+            write_s += await self._ship(alloc, pages, shipped, len(pages),
+                                        tail_ttl_ms=1 if first.finish_reason is not None else w.cfg.tail_ttl_ms)
             # The last prompt token is always computed; everything before it that was loaded is a hit.
             cached = min((n_local + n_store) * bs, len(req.prompt_ids) - 1)
             local = min(n_local * bs, cached)
@@ -160,9 +163,9 @@ class Prefiller:
             try:
                 await asyncio.shield(w.engine.call(lambda e: e.abort(rid)))
             finally:  # (a dead engine refuses the abort: the store's leases go all the same)
-                if alloc is not None:  # the store releases the hold with it
+                if alloc is not None:  # (the store ends the hold with it while it is open)
                     await asyncio.shield(w.store._release_quietly(alloc.lease_id))
-                elif hold:
+                if hold:  # (the write lease closes at its last commit: the hold outlives it)
                     await asyncio.shield(w.store._release_quietly(hold))
             raise
         finally:
@@ -226,7 +229,7 @@ class Prefiller:
             span.set_attribute("bytes", n * store.block_nbytes)
             return n, max(0, n - (len(pinned.slots) - pinned.from_cluster))
 
-    async def _ship(self, alloc: Allocation, pages: list[int], start: int, end: int) -> float:
+    async def _ship(self, alloc: Allocation, pages: list[int], start: int, end: int, tail_ttl_ms: int = 0) -> float:
         """Write blocks [start, end) where the store asked for them and send their commit (its
         answer is awaited once, at the end: the decode's Watch is what waits on it)."""
         if end <= start:
@@ -235,7 +238,7 @@ class Prefiller:
         store = self.w.store
         with tracer.start_as_current_span("store.put", attributes={"blocks": end - start}) as span:
             async with self.w.pages.outbound(pages[start:end]) as addrs:
-                slices = await store.ship(alloc, start, end, addrs, tail_ttl_ms=self.w.cfg.tail_ttl_ms, wait=False)
+                slices = await store.ship(alloc, start, end, addrs, tail_ttl_ms=tail_ttl_ms, wait=False)
             elapsed = time.perf_counter() - t0
             written = alloc.slots[start:end].states.count(WRITE)
             moved = written * store.block_nbytes

@@ -88,7 +88,8 @@ async def disaggregated(
         request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
         mode=decode_pb2.DECODE_MODE_DISAGGREGATED, profile=profile, stream_interval=stream_interval),
         timeout=timeout_s)
-    prefill_call = handoff = None
+    prefill_call = handoff = response = None
+    told = False  # decode has the first token (and with it the handoff's hold)
     answered = False  # the last token (or the result) is out: the request is done
     pulled = False  # decode sent a token past the first: it streams only once it has read every block
     try:
@@ -110,6 +111,7 @@ async def disaggregated(
         try:
             await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response),
                                     timeout=min(FIRST_TOKEN_TIMEOUT_S, max(deadline - time.monotonic(), 0.001)))
+            told = True
         except grpc.aio.AioRpcError as e:
             raise await _decode_failure(decode_call, e) from e
         try:
@@ -129,6 +131,8 @@ async def disaggregated(
             raise _error("decode", e) from e
     finally:
         decode_call.cancel()
+        if response is not None and response.kv_hold_lease_id and not (told or answered):
+            _tell_late(decode, request_id, response)
         if (answered or pulled) and handoff is not None and not handoff.done():
             # Pulled (or answered in full) while prefill's last commits are still being confirmed:
             # they are its prefix cache, so its call runs on to its end (its deadline bounds it).
@@ -169,6 +173,16 @@ def _succeeded(handoff: asyncio.Future) -> bool:
 def _timings(handoff: asyncio.Future) -> common_pb2.Timings:
     """The handoff's timings, when it has completed (none while it has not)."""
     return handoff.result() if _succeeded(handoff) else common_pb2.Timings()
+
+
+def _tell_late(decode: decode_pb2_grpc.DecodeStub, request_id: str, response: prefill_pb2.PrefillResponse) -> None:
+    """The request ended before decode heard of its handoff: tell it now, so that it releases the
+    store's hold on the prompt's blocks (no request of its own waits for them) rather than the
+    hold pinning them until it lapses. Best effort: the lapse still bounds it."""
+    told = asyncio.ensure_future(decode.FirstToken(
+        decode_pb2.FirstTokenRequest(request_id=request_id, prefill=response), timeout=FIRST_TOKEN_TIMEOUT_S))
+    _finishing.add(told)
+    told.add_done_callback(_forget)
 
 
 def _forget(handoff: asyncio.Future) -> None:
