@@ -104,7 +104,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Get(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
         owner = client_id(context)
-        fetched = await self._from_cluster(hashes) if self.cluster is not None else 0
+        fetched = await self._from_cluster(hashes) if self.cluster is not None else set()
         lease, blocks, tail = self.store.get(owner, hashes, _tail(request.tail_key), request.lease_ms,
                                              request.request_id)
         if lease is None:
@@ -112,14 +112,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.GetResponse(lease_id=lease.lease_id, slots=self._read_list(blocks),
                               tail=self._slot(tail) if tail is not None else None,
                               lease_deadline_unix_ms=_unix_ms(lease.deadline),
-                              from_cluster=min(fetched, len(blocks)))
+                              from_cluster=sum(b.key in fetched for b in blocks))
 
-    async def _from_cluster(self, hashes: list[bytes]) -> int:
+    async def _from_cluster(self, hashes: list[bytes]) -> set[bytes]:
         """Where the local run of `hashes` ends, fetch what follows from the cluster, in rounds of
-        what the staging buffer holds, into local slots; how many blocks it placed (they end the
-        local run the get then pins: nothing awaits between)."""
+        what the staging buffer holds, into local slots; the keys it placed (they end the local run
+        the get then pins: nothing awaits between; one evicted between rounds is fetched again)."""
         start = self.store.committed_run(hashes)
-        fetched = 0
+        fetched: set[bytes] = set()
         while start < len(hashes):
             run = await self.cluster.fetch(hashes[start:])
             if not run:
@@ -129,7 +129,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                           [f.view for f in run])
             finally:
                 self.cluster.done_with(run)
-            fetched += placed
+            fetched.update(f.key for f in run[:placed])
             if placed < len(run):
                 return fetched
             start = self.store.committed_run(hashes)
