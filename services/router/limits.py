@@ -13,8 +13,8 @@ MAX_REQUEST_ID = 128
 
 
 def check_request_id(request_id: str) -> None:
-    """A client's id for its request: printable ASCII, without '~' (the router names a request's
-    retries and migrations `<id>~<n>` on the workers and in the store), at most MAX_REQUEST_ID."""
+    """A client's id for its request: printable ASCII, without '~' (the router names each attempt
+    of a request `<id>~<attempt>.<nonce>` on the workers and in the store), at most MAX_REQUEST_ID."""
     if len(request_id) > MAX_REQUEST_ID or not all(" " < c < "~" for c in request_id):
         raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID} printable ASCII characters without "
                               f"spaces or '~', got {request_id[:40]!r}")

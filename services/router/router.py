@@ -228,8 +228,8 @@ class Router:
                 self.metrics.observe("route_ms", route.route_ms)
             summary = Summary(request_id, 0, route, len(ids), timings_ms={  # (ttft_ms: an earlier attempt's)
                 "queue_ms": max(queued_ms, 0.0), **({"ttft_ms": ttft_ms} if ttft_ms is not None else {})})
-            # Each attempt is a handoff of its own: the workers know it by its own id.
-            handoff_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            # A handoff of its own, unique on the workers and store: a reused id never meets old cleanup.
+            handoff_id = f"{request_id}~{attempt}.{uuid.uuid4().hex[:8]}"
             try:
                 async with aclosing(self._attempt(handoff_id, prompt, left, route, summary, deadline)) as items:
                     async for item in items:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient, Client
+from pdserve.errors import AlreadyExists, PdserveError
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from tests.support.stack import SETTLED, routed_stack, settled, stubs
 
@@ -95,4 +96,45 @@ def test_a_workers_cancel_rpc_ends_its_stream_at_once(stack):
     found, code, seconds = asyncio.run(run())
     assert found and code == grpc.StatusCode.CANCELLED and seconds < 2.0
     print(f"\nFAULT Cancel RPC mid-stream: {code.name} in {seconds:.3f}s")
+    _audit(stack)
+
+
+def test_an_id_reused_right_after_a_cancel_gets_exact_tokens(stack, tiny):
+    """A client that gives up on a request and at once sends it again under the same id meets no
+    trace of the first on the workers (they were still cleaning it up: before each attempt was
+    named uniquely there, 22 of 30 such retries failed INVALID_ARGUMENT 'already being
+    prefilled here'). The router itself may still have the first in flight for a moment: that is
+    ALREADY_EXISTS, and a retry after it succeeds."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=512))
+    prompts = [[(i * 7 + n) % 256 for i in range(300 + n)] for n in range(20)]
+
+    async def once(c: AsyncClient, n: int, prompt: list[int]):
+        async def consume():
+            async for _ in c.stream(prompt, request_id=f"reuse-{n}", max_tokens=40, ignore_eos=True):
+                await asyncio.sleep(3600)
+
+        first = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.005 * (n % 10))  # given up at a moment of prefill, handoff or decode
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        for _ in range(20):
+            try:
+                return (await c.generate(prompt, request_id=f"reuse-{n}", max_tokens=8, ignore_eos=True)).token_ids
+            except AlreadyExists:
+                await asyncio.sleep(0.05)
+            except PdserveError as e:
+                return str(e)
+        return "ALREADY_EXISTS 20 times"
+
+    async def run():
+        async with AsyncClient(stack.router.address) as c:
+            return [await once(c, n, prompt) for n, prompt in enumerate(prompts)]
+
+    outcomes = asyncio.run(run())
+    want = [out.token_ids for out in engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert outcomes == want
     _audit(stack)
