@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from pdserve.kvclient import store_client
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import free_port
 from tests.kv_peer import block_data, block_hash
@@ -71,7 +72,8 @@ def test_a_client_finds_a_restarted_store_at_its_new_unix_address(shared_redis_u
         store.stop()
 
 
-def test_a_client_uses_the_stores_unix_address_where_it_reaches_it_and_tcp_otherwise(shared_redis_url, key_prefix):
+def test_a_client_uses_the_stores_unix_address_where_it_reaches_it_and_tcp_otherwise(shared_redis_url, key_prefix,
+                                                                                       monkeypatch):
     """On the store's host the client's calls go to the store's abstract Unix address. A store
     started with --unix false offers none, and an address the client cannot reach (another
     host's or container's) leaves it on TCP: each way, the same calls are served."""
@@ -93,17 +95,13 @@ def test_a_client_uses_the_stores_unix_address_where_it_reaches_it_and_tcp_other
         assert tcp_info.unix_address == ""
         assert LocalClient(tcp_only.address).call(served) == tcp_only.address
 
-        async def unreachable(client: StoreClient) -> str:
-            real = client._open
+        real = store_client.channel
 
-            def elsewhere(target: str):  # the store's answer names a Unix address this host has not
-                return real("unix-abstract:pdserve-kvstore-" + "0" * 32 if target.startswith("unix") else target)
+        def elsewhere(target: str):  # the store's answer names a Unix address this host has not
+            return real("unix-abstract:pdserve-kvstore-" + "0" * 32 if target.startswith("unix") else target)
 
-            client._open = elsewhere
-            await client.connect()
-            return await served(client)
-
-        assert LocalClient(store.address).call(unreachable) == store.address
+        monkeypatch.setattr(store_client, "channel", elsewhere)
+        assert LocalClient(store.address).call(served) == store.address
     finally:
         store.stop()
         tcp_only.stop()
@@ -174,5 +172,65 @@ def test_a_cancelled_read_returns_only_once_the_engine_is_done_with_the_callers_
 
         c.call(scenario)
         assert c.stats().active_leases == 0
+    finally:
+        store.stop()
+
+
+def test_finding_the_store_again_cuts_no_call_short(shared_redis_url, key_prefix):
+    """A reconnect (another caller found the store's address failing) replaces the client's
+    channels: a call on the old ones runs on to its end. Before, they were closed under it, and
+    the call ended in CancelledError (its caller taken for cancelled: no retry, a misleading
+    status)."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        c = LocalClient(store.address)
+        writer = LocalClient(store.address)
+
+        async def scenario(client: StoreClient):
+            batches = []
+
+            async def watch():
+                async for batch in client.watch([block_hash(4, 0)], lease_ms=5000, timeout_s=10):
+                    batches.append(batch.indices)
+
+            watching = asyncio.ensure_future(watch())
+            await asyncio.sleep(0.3)  # the watch is waiting on the store, on the first channels
+            await client.connect()
+            await asyncio.to_thread(writer.call, StoreClient.put_bytes, [block_hash(4, 0)],
+                                    bytes(block_data(4, 0).numpy()))
+            await asyncio.wait_for(watching, 5)
+            return batches
+
+        assert c.call(scenario) == [[0]]
+    finally:
+        store.stop()
+
+
+def test_a_kept_alive_lease_outlives_a_renewal_the_store_missed(shared_redis_url, key_prefix):
+    """keep_alive renews a write lease every third of its length; a renewal that fails while the
+    store is away for a moment (here paused past the call's deadline) is tried again on the next
+    tick. Before, the first failure ended the renewals, and the lease lapsed under its writer."""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=4)
+    try:
+        c = LocalClient(store.address)
+
+        async def scenario(client: StoreClient):
+            client.timeout_s = 0.5
+            alloc = await client.allocate([block_hash(5, 0)], lease_ms=1500)
+            renewing = client.keep_alive(alloc.lease_id, 1500)  # every 0.5 s
+            try:
+                await asyncio.sleep(0.2)
+                store.proc.send_signal(signal.SIGSTOP)  # the renewal due at 0.5 s fails at its deadline
+                await asyncio.sleep(0.9)
+                store.proc.send_signal(signal.SIGCONT)
+                await asyncio.sleep(3.0)  # two lease lengths: only renewals keep it
+                assert not renewing.done()
+                await client.renew(alloc.lease_id, 1500)  # still open: FAILED_PRECONDITION if it lapsed
+            finally:
+                renewing.cancel()
+                store.proc.send_signal(signal.SIGCONT)
+            await client.release(alloc.lease_id)
+
+        c.call(scenario)
     finally:
         store.stop()

@@ -1,9 +1,12 @@
-"""Lease releases a client does not wait for, sent in as few calls as the store's answers allow."""
+"""Lease releases a client does not wait for, sent in as few calls as the store's answers allow;
+and renewals that keep a lease alive."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+
+import grpc
 
 from pdserve import logs
 from pdserve.v1 import kvstore_pb2 as pb
@@ -11,6 +14,27 @@ from pdserve.v1 import kvstore_pb2 as pb
 log = logs.get("kv.client")
 # A lease the store ended already (lapsed, or with its watch) is no failure to release.
 ALREADY_ENDED = ("NOT_FOUND", "FAILED_PRECONDITION")
+RENEW_RETRY_S = 0.1  # after a renewal the store did not answer: the lease runs out meanwhile
+
+
+def keep_alive(renew: Callable[[], Awaitable], lease_id: str, lease_ms: int) -> asyncio.Task:
+    """Call `renew` every third of the lease's length until the returned task is cancelled or the
+    lease has ended; a renewal the store did not answer (slow, or away for a moment) is tried
+    again at once, not a third of a lease later."""
+    async def renew_forever() -> None:
+        wait_s = lease_ms / 3000
+        while True:
+            await asyncio.sleep(wait_s)
+            try:
+                await renew()
+                wait_s = lease_ms / 3000
+            except grpc.aio.AioRpcError as e:
+                if e.code().name in ALREADY_ENDED:
+                    return  # closed (fully committed) or lapsed: nothing left to keep
+                log.warning("lease renewal failed; trying again", lease_id=lease_id, code=e.code().name)
+                wait_s = RENEW_RETRY_S
+
+    return asyncio.ensure_future(renew_forever())
 
 
 class ReleaseBatcher:

@@ -18,7 +18,7 @@ from pdserve import logs
 from pdserve.errors import Unavailable
 from pdserve.kv.checksum import checksums_at, mismatches
 from pdserve.kv.layout import HashProfile
-from pdserve.kvclient.releases import ALREADY_ENDED, ReleaseBatcher
+from pdserve.kvclient.releases import ALREADY_ENDED, ReleaseBatcher, keep_alive
 from pdserve.kvclient.results import (
     PENDING,
     PRESENT,
@@ -66,55 +66,64 @@ class StoreClient:
         self.block_nbytes = profile.layout.block_nbytes
         self._releases = ReleaseBatcher(lambda ids: self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids)))
         self._connecting: asyncio.Future | None = None
+        self._closing: set[asyncio.Future] = set()  # channels replaced by a reconnect, closing once idle
 
     async def connect(self) -> StoreInfo:
         """Ask the store where it is (its transfer-engine segment) and switch to its Unix address
-        when this host reaches it."""
-        await self._close_channels()
-        tcp = self._open(self.target)
-        info = await tcp.Info(pb.InfoRequest(), timeout=self.timeout_s)
-        self._stub, self.address_used = tcp, self.target
-        if info.unix_address:
-            unix = self._open(info.unix_address)
-            try:
-                await unix.Info(pb.InfoRequest(), timeout=min(self.timeout_s, 1.0))
-                self._stub, self.address_used = unix, info.unix_address
-            except grpc.aio.AioRpcError:
-                pass  # another host or network namespace: TCP it is
-        self.segment = info.segment
+        when this host reaches it. The channels it replaces close once the calls on them have
+        ended (within the client's timeout): finding the store again never cuts a call short."""
+        opened = [channel(self.target)]
+        try:
+            stub, address = kvstore_pb2_grpc.KVStoreStub(opened[0]), self.target
+            info = await stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+            if info.unix_address:
+                unix = channel(info.unix_address)
+                try:
+                    await kvstore_pb2_grpc.KVStoreStub(unix).Info(pb.InfoRequest(), timeout=min(self.timeout_s, 1.0))
+                    opened.append(unix)
+                    stub, address = kvstore_pb2_grpc.KVStoreStub(unix), info.unix_address
+                except grpc.aio.AioRpcError:
+                    await unix.close()  # another host or network namespace: TCP it is
+        except BaseException:
+            await opened[0].close()
+            raise
+        replaced, self._channels = self._channels, opened
+        self._stub, self.address_used, self.segment = stub, address, info.segment
+        for closing in [asyncio.ensure_future(ch.close(grace=self.timeout_s)) for ch in replaced]:
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         return StoreInfo(info.segment, info.unix_address, profile_from_pb(info.profile), info.block_nbytes,
                          info.device_capacity_blocks, info.dram_capacity_blocks, info.device_kind,
                          info.node or "local")
 
-    def _open(self, target: str) -> kvstore_pb2_grpc.KVStoreStub:
-        ch = channel(target)
-        self._channels.append(ch)
-        return kvstore_pb2_grpc.KVStoreStub(ch)
+    async def _reconnect(self) -> None:
+        """`connect`, once for every caller that asks while it runs."""
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self.connect())
+        await asyncio.shield(self._connecting)
 
     async def _stub_ready(self) -> kvstore_pb2_grpc.KVStoreStub:
-        """The stub, connecting first if need be (one connect for the calls that arrive meanwhile)."""
-        if self._stub is None:
-            if self._connecting is None or self._connecting.done():
-                self._connecting = asyncio.ensure_future(self.connect())
+        if self._stub is None:  # (connect first)
             try:
-                await asyncio.shield(self._connecting)
+                await self._reconnect()
             except grpc.aio.AioRpcError as e:
                 raise self._named(e) from None
         return self._stub
 
     async def _call(self, method: str, request, retry: bool = True):
         """One unary call. UNAVAILABLE on the Unix address (the store restarted: its address and
-        segment changed): find it again and retry once."""
+        segment changed): find it again (unless another call did meanwhile) and retry once."""
         stub = await self._stub_ready()
         try:
             return await getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             if not (retry and e.code() == grpc.StatusCode.UNAVAILABLE and self.address_used != self.target):
                 raise self._named(e) from None
-        try:
-            await self.connect()
-        except grpc.aio.AioRpcError as e:
-            raise self._named(e) from None
+        if self._stub is stub:
+            try:
+                await self._reconnect()
+            except grpc.aio.AioRpcError as e:
+                raise self._named(e) from None
         return await self._call(method, request, retry=False)
 
     def _named(self, e: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
@@ -124,14 +133,12 @@ class StoreClient:
         return grpc.aio.AioRpcError(e.code(), e.initial_metadata(), e.trailing_metadata(),
                                     f"kvstore at {self.target} did not answer ({e.code().name}: {e.details()})")
 
-    async def _close_channels(self) -> None:
+    async def close(self) -> None:
+        await self._releases.drain()
         channels, self._channels, self._stub = self._channels, [], None
         for ch in channels:
             await ch.close()
-
-    async def close(self) -> None:
-        await self._releases.drain()
-        await self._close_channels()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     # -- transfer-engine path: writes ---------------------------------------------------------
     async def allocate(self, hashes: Sequence[bytes], tail_key: str = "", request_id: str = "",
@@ -300,8 +307,8 @@ class StoreClient:
 
     async def _move(self, spans: list[Span], write: bool, on_done=None) -> int:
         transfer = self._require_transfer()
-        if not self.segment:
-            await self.connect()
+        if not self.segment:  # (Info through the channel in use: a call that fails on it finds the store again)
+            self.segment = (await self._call("Info", pb.InfoRequest())).segment
         try:
             # The engine cannot stop a move: a cancelled one is waited out, so the caller never hands
             # on memory it may still land bytes in (a stopped peer holds it, and that memory).
@@ -320,15 +327,7 @@ class StoreClient:
 
     def keep_alive(self, lease_id: str, lease_ms: int) -> asyncio.Task:
         """Renew a lease every third of its length until the returned task is cancelled."""
-        async def renew_forever() -> None:
-            while True:
-                await asyncio.sleep(lease_ms / 3000)
-                try:
-                    await self.renew(lease_id, lease_ms)
-                except grpc.aio.AioRpcError:
-                    return  # closed (fully committed) or lapsed: nothing left to keep
-
-        return asyncio.ensure_future(renew_forever())
+        return keep_alive(lambda: self.renew(lease_id, lease_ms), lease_id, lease_ms)
 
     def release_soon(self, lease_id: str) -> None:
         """End a lease without waiting for the answer: a reader has its bytes once the read
