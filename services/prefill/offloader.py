@@ -13,12 +13,10 @@ import asyncio
 import threading
 from collections import deque
 
-import grpc
 import torch
 
 from pdserve import logs
 from pdserve.kv.hashing import BlockHash
-from pdserve.kvclient.transfer import TransferError
 from pdserve.worker.bootstrap import Worker
 
 log = logs.get("offload")
@@ -94,10 +92,13 @@ class Offloader:
             base = self.staging.data_ptr()
             await store.put([batch[i][0] for i in keep], [base + slots[i] * self.block_nbytes for i in keep],
                             request_id="offload", lease_ms=self.w.cfg.lease_ms)
-        except (grpc.aio.AioRpcError, TransferError, OSError) as e:
-            self.dropped += len(batch)
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - the next batches still go
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this task itself is stopping (a call cut short under it is not)
+            with self._lock:
+                self.dropped += len(batch)
             log.warning("offload to the store failed; these evicted blocks are lost", blocks=len(batch),
-                        error=str(e)[:200])
+                        error=str(e)[:200] or type(e).__name__)
         finally:
             with self._lock:
                 self._free.extend(slots)
