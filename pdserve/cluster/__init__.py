@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 Redis = aioredis.Redis | aioredis.RedisCluster
-REDIS_DOWN = (RedisError, OSError)  # what a call raises when Redis cannot be reached
+# What a call raises when Redis cannot be reached. A cluster client none of whose nodes answers
+# raises RedisClusterUnreachableError: a RedisClusterException, which is no RedisError.
+REDIS_DOWN = (RedisError, RedisClusterException, OSError)
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 

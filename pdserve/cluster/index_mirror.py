@@ -17,6 +17,8 @@ from its last copy for `stale_s` (the workers' caches outlive Redis; a stale hin
 a Redis call on the request path would cost its timeout) and re-snapshots as soon as Redis
 answers. After a restart that lost everything the snapshot is empty and the index is rebuilt by
 its writers' reset events (each worker and the store rewrite their whole key when Redis returns).
+Any other failure is logged and treated the same way, retried after a bounded backoff: the tail
+never ends while the router runs (a mirror whose task ended would answer from a frozen copy).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import time
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster import REDIS_DOWN
 from pdserve.cluster.index_events import CLUSTER_OWNER, STORE_OWNER, WORKER_OWNER, IndexEvent
 from pdserve.cluster.keys import RedisKeys
 from pdserve.cluster.prefix_index import PrefixHits
-from pdserve.runtime.tasks import bounded_close, cancel_and_wait
+from pdserve.runtime.tasks import Backoff, bounded_close, cancel_and_wait
 
 log = logs.get("router.mirror")
 
@@ -112,6 +115,7 @@ class IndexMirror:
         self._synced_at = 0.0
         self._task: asyncio.Task | None = None
         self._warned = False
+        self._backoff = Backoff()
 
     @property
     def live(self) -> bool:
@@ -223,12 +227,20 @@ class IndexMirror:
                                  cluster_blocks=len(self._cluster))
                     self.tailing, self._warned = True, False
                 await self.poll()
-            except (aioredis.RedisError, OSError, ValueError) as e:
-                if self.tailing or not self._warned:
-                    log.warning("prefix index mirror stopped: answering from its last copy until it resyncs",
-                                error=str(e))
-                    self._warned = True
-                if self.tailing:
-                    self._lost_at = time.monotonic()
-                self.tailing = False
+                self._backoff.succeeded()
+            except (*REDIS_DOWN, ValueError) as e:
+                self._stopped(e)
                 await asyncio.sleep(0.25)
+            except Exception as e:  # noqa: BLE001 - see the module's docstring
+                log.exception("prefix index mirror failed")
+                self._stopped(e)
+                await asyncio.sleep(self._backoff.failed())
+
+    def _stopped(self, e: Exception) -> None:
+        """Tailing stopped: answer from the last copy for `stale_s`, and snapshot again."""
+        if self.tailing or not self._warned:
+            log.warning("prefix index mirror stopped: answering from its last copy until it resyncs", error=str(e))
+            self._warned = True
+        if self.tailing:
+            self._lost_at = time.monotonic()
+        self.tailing = False

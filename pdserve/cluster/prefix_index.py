@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from pdserve import logs
+from pdserve.cluster import REDIS_DOWN
 from pdserve.cluster.keys import KEEP_WINDOWS, WINDOW_S, RedisKeys, window_start
+from pdserve.runtime.tasks import Backoff
 
 log = logs.get("router.hits")
 COUNTER_RETRY_S = 0.5  # between tries to write counters while Redis does not answer
@@ -154,7 +156,9 @@ class PrefixIndex:
 
     async def _write(self) -> None:
         """Writes the pending counters until none are left; while Redis does not answer, keeps them
-        (only the windows Redis would still keep: bounded) and tries again."""
+        (only the windows Redis would still keep: bounded) and tries again (after any other failure
+        too, logged, with a bounded backoff)."""
+        backoff = Backoff(COUNTER_RETRY_S)
         while self._pending:
             batch, self._pending = self._pending, {}
             pipe = self.redis.pipeline(transaction=False)
@@ -165,15 +169,18 @@ class PrefixIndex:
                 pipe.expire(key, WINDOW_S * KEEP_WINDOWS)
             try:
                 await pipe.execute()
-            except (aioredis.RedisError, OSError) as e:
-                log.debug("hit counters not written yet", error=str(e))
+            except Exception as e:  # noqa: BLE001 - counters are kept until written
+                if isinstance(e, REDIS_DOWN):
+                    log.debug("hit counters not written yet", error=str(e))
+                else:
+                    log.exception("writing hit counters failed: trying again")
                 kept_from = window_start() - WINDOW_S * (KEEP_WINDOWS - 1)
                 for (scope, window), counts in batch.items():
                     if window >= kept_from:
                         merged = self._pending.setdefault((scope, window), {})
                         for name, n in counts.items():
                             merged[name] = merged.get(name, 0) + n
-                await asyncio.sleep(COUNTER_RETRY_S)
+                await asyncio.sleep(COUNTER_RETRY_S if isinstance(e, REDIS_DOWN) else backoff.failed())
 
     async def flush(self) -> None:
         """Waits for the counters recorded so far to be written (tests, shutdown)."""

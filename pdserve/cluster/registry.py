@@ -7,7 +7,8 @@ but lacks the token cannot point the router at a worker of their own.
 Also publishes the worker's own prefix-cache contents (bounded by its pages) to the prefix index.
 Redis down: the worker keeps serving and says so once, and tries again every RETRY_S, so that
 once Redis answers (empty, after a restart) the record and the whole cache index are back within
-a fraction of a second, not a heartbeat later.
+a fraction of a second, not a heartbeat later. Any other failure of a beat is logged and the beat
+tried again after a bounded backoff: the heartbeat never ends while the worker runs.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from pdserve import logs
-from pdserve.cluster import connect, transaction
+from pdserve.cluster import REDIS_DOWN, connect, transaction
 from pdserve.cluster.index_events import EventWriter, worker_owner
 from pdserve.cluster.keys import HEARTBEAT_TTLS, WORKERS_TTL_S, RedisKeys
 from pdserve.kv.layout import HashProfile
-from pdserve.runtime.tasks import bounded_close, cancel_and_wait
+from pdserve.runtime.tasks import Backoff, bounded_close, cancel_and_wait
 
 log = logs.get("registry")
 RETRY_S = 0.2  # between tries while Redis does not answer
@@ -82,6 +83,7 @@ class Registration:
         self._published: frozenset[bytes] | None = None  # None: write the whole set next beat
         self._events = EventWriter(keys, worker_owner(worker_id))
         self._warned = False
+        self._backoff = Backoff()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -105,7 +107,7 @@ class Registration:
             pipe.pexpire(key, self.ttl_ms)
             self._events.queue(pipe, reset=True)
             await pipe.execute()
-        except (aioredis.RedisError, OSError):
+        except REDIS_DOWN:
             pass
         await bounded_close(self.redis)
 
@@ -156,13 +158,20 @@ class Registration:
                     log.info("registered in redis", worker=self.worker_id, role=self.fields["role"])
                 self.connected = True
                 self._warned = False
-            except (aioredis.RedisError, OSError) as e:
+                self._backoff.succeeded()
+            except REDIS_DOWN as e:
                 if self.connected or not self._warned:
                     log.warning("redis unavailable: serving on without registration", error=str(e))
                     self._warned = True
                 self.connected = False
                 self._published = None  # republish the whole set once Redis is back
                 await asyncio.sleep(min(self.interval_s, RETRY_S))
+                continue
+            except Exception:  # noqa: BLE001 - a heartbeat that ended would take the worker out of every pool
+                log.exception("registration beat failed: trying again")
+                self.connected = False
+                self._published = None
+                await asyncio.sleep(self._backoff.failed())
                 continue
             await asyncio.sleep(self.interval_s)
 

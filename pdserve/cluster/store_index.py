@@ -7,6 +7,8 @@ thread-safe deque.
 Redis down: the store keeps serving; changes accumulate (latest state per key), and once Redis
 answers again the whole index is rebuilt from the store's contents. So is an index that vanished
 while Redis stayed up (flushed, deleted): each flush checks the key still exists when it should.
+Any other failure of a flush is logged and the index rebuilt after a bounded backoff: the writer
+never ends while the store runs.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from pdserve import logs
-from pdserve.cluster import connect, transaction
+from pdserve.cluster import REDIS_DOWN, connect, transaction
 from pdserve.cluster.index_events import EventWriter, cluster_owner, store_owner
 from pdserve.cluster.keys import (
     CLUSTER_INDEX_MAX,
@@ -32,7 +32,7 @@ from pdserve.cluster.keys import (
     window_start,
 )
 from pdserve.kv.hashing import HASH_BYTES
-from pdserve.runtime.tasks import cancel_and_wait
+from pdserve.runtime.tasks import Backoff, cancel_and_wait
 
 log = logs.get("kvstore.index")
 
@@ -133,6 +133,7 @@ class RedisIndex:
         self._misses = 0
         self._task: asyncio.Task | None = None
         self._warned = False
+        self._backoff = Backoff()
         self.node = node
         self._events = EventWriter(keys, store_owner(node))
         self._cluster_log: deque[tuple[bytes, bool]] = deque()  # (hash, held): appended by the tier's threads
@@ -205,12 +206,18 @@ class RedisIndex:
                     log.info("redis connected: prefix index rebuilt", index=self.keys.store_index())
                 self.connected = True
                 self._warned = False
-            except (aioredis.RedisError, OSError) as e:
+                self._backoff.succeeded()
+            except REDIS_DOWN as e:
                 if self.connected or not self._warned:
                     log.warning("redis unavailable: serving on, index will be rebuilt", error=str(e))
                     self._warned = True
                 self.connected = False
                 self._rebuild = True
+            except Exception:  # noqa: BLE001 - a writer that ended would leave the index stale for good
+                log.exception("prefix index flush failed: rebuilding it")
+                self.connected = False
+                self._rebuild = True
+                await asyncio.sleep(self._backoff.failed())
             await asyncio.sleep(self.interval_s)
 
     def _queue_changes(self, pipe, index: str, changes) -> dict[str, list[bytes]]:

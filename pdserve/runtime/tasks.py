@@ -26,6 +26,26 @@ async def cancel_and_wait(task: asyncio.Task | None, timeout_s: float = 5.0) -> 
         task.exception()  # retrieved: a failure was the task's own to report; stopping it is all asked here
 
 
+class Backoff:
+    """How long a background loop waits after a failure it did not expect, before it tries again
+    (it logs the failure and carries on: a helper whose task ended would leave its service running
+    without it, unnoticed): doubling from `first_s` up to `max_s`, and back to `first_s` once a try
+    succeeds."""
+
+    def __init__(self, first_s: float = 0.5, max_s: float = 5.0):
+        self.first_s = first_s
+        self.max_s = max_s
+        self._next_s = first_s
+
+    def failed(self) -> float:
+        """The wait before the next try (each one longer, up to `max_s`)."""
+        wait_s, self._next_s = self._next_s, min(self._next_s * 2, self.max_s)
+        return wait_s
+
+    def succeeded(self) -> None:
+        self._next_s = self.first_s
+
+
 async def to_thread_to_end(fn: Callable, *args):
     """`fn(*args)` in a thread, awaited to its end even when the caller is cancelled (the
     cancellation is raised once it has ended). For work no one can stop midway that uses the

@@ -1,7 +1,9 @@
-"""A real Redis Cluster of three masters on loopback, for the tests that run pdserve on one."""
+"""A real Redis Cluster on loopback (three masters, or one), for the tests that run pdserve on one."""
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 import shutil
 import socket
@@ -34,7 +36,8 @@ def _cluster_ports(n: int) -> list[int]:
 
 
 class RedisCluster:
-    """Three redis-server masters joined by `redis-cli --cluster create`; stopped by their pids."""
+    """redis-server masters joined by `redis-cli --cluster create` (one master: given every slot,
+    which `--cluster create` refuses to do); stopped by their pids."""
 
     def __init__(self, masters: int = 3) -> None:
         self.dir = tempfile.mkdtemp(prefix="pdserve-redis-cluster-")
@@ -56,8 +59,11 @@ class RedisCluster:
             raise RuntimeError("redis-cli is not installed (scripts/setup.sh installs it)")
         for node in self.nodes:
             node.start()
-        self.cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
-                 "--cluster-yes")
+        if len(self.nodes) == 1:
+            self.cli("cluster", "addslotsrange", "0", "16383")
+        else:
+            self.cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas",
+                     "0", "--cluster-yes")
         deadline = time.time() + 30
         while not all("cluster_state:ok" in self.cli("cluster", "info", port=n.port) for n in self.nodes):
             if time.time() > deadline:
@@ -68,6 +74,16 @@ class RedisCluster:
     def masters_with_keys(self, pattern: str) -> set[int]:
         """The ports of the masters holding a key that matches `pattern`."""
         return {n.port for n in self.nodes if self.cli("--scan", "--pattern", pattern, port=n.port).strip()}
+
+    def kill(self) -> None:
+        """Every node killed at once (SIGKILL) and its cluster config removed: start() then brings
+        up an empty cluster on the same ports."""
+        for node in self.nodes:
+            if node.proc is not None:
+                node.proc.kill()
+                node.proc.wait(10)
+        for conf in glob.glob(os.path.join(self.dir, "nodes-*.conf")):
+            os.remove(conf)
 
     def stop(self) -> None:
         for node in self.nodes:
