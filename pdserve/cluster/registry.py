@@ -1,8 +1,10 @@
 """A worker's registration in Redis: role, address, hash profile and load, kept alive by heartbeat.
 
-The record is signed with the deployment's service token (`sig`, an HMAC-SHA256 over the worker
-id, role, address and profile: what decides where prompts go), so anyone who can write to Redis
-but lacks the token cannot point the router at a worker of their own.
+The record is signed with the deployment's service token on every beat (`sig`, an HMAC-SHA256
+over the worker id and every field: where prompts go, the load that steers them, and the
+heartbeat time and TTL), so anyone who can write to Redis but lacks the token can neither point
+the router at a worker of their own, nor edit a worker's load, nor write back an old record once
+its heartbeat has lapsed (its worker gone, and its address perhaps someone else's).
 
 Also publishes the worker's own prefix-cache contents (bounded by its pages) to the prefix index.
 Redis down: the worker keeps serving and says so once, and tries again every RETRY_S, so that
@@ -40,24 +42,31 @@ def profile_json(p: HashProfile) -> str:
                        "dtype": lay.dtype}, sort_keys=True)
 
 
-SIGNED_FIELDS = ("role", "address", "profile", "store_node")
+CLOCK_SKEW_S = 2.0  # how far a reader's clock may be from the worker's, judging its heartbeat
 
 
 def sign(token: str, worker_id: str, record: dict[str, str]) -> str:
-    """The `sig` field of a registration: HMAC-SHA256 with the service token over the fields
-    that route prompts. (No timestamp: a replayed record can only name the worker that signed it,
-    which the router still health-checks.)"""
-    message = json.dumps([worker_id, *(record.get(f, "") for f in SIGNED_FIELDS)]).encode()
+    """The `sig` field of a registration: HMAC-SHA256 with the service token over the worker id
+    and every other field of the record."""
+    message = json.dumps([worker_id, sorted((k, v) for k, v in record.items() if k != "sig")]).encode()
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
 def signature_problem(token: str, worker_id: str, record: dict[str, str]) -> str:
-    """Why a registration must not be trusted ('' when its signature holds)."""
+    """Why a registration must not be trusted ('' when its signature holds and, by the reader's
+    clock, its signed heartbeat is within its TTL, give or take CLOCK_SKEW_S)."""
     sig = record.get("sig", "")
     if not sig:
         return "registration is not signed (a worker without the deployment's service token)"
     if not hmac.compare_digest(sig.encode(), sign(token, worker_id, record).encode()):
         return "registration signature is wrong (signed with another service token, or altered)"
+    try:
+        age_s = time.time() - float(record["heartbeat"])
+        ttl_s = int(record["ttl_ms"]) / 1000
+    except (KeyError, ValueError):
+        return "registration has no heartbeat time or TTL"
+    if not -CLOCK_SKEW_S <= age_s <= ttl_s + CLOCK_SKEW_S:  # (false for NaN too)
+        return "registration's signed heartbeat is past its TTL, or in the future (an old record written back?)"
     return ""
 
 
@@ -74,8 +83,7 @@ class Registration:
         # `shown`: fields for `pdserve status` only (the device, the KV path); nothing routes by them.
         self.fields = {**(shown or {}), "role": role, "address": address, "profile": profile_json(profile),
                        "store_node": store_node}
-        if service_token:
-            self.fields["sig"] = sign(service_token, worker_id, self.fields)
+        self.service_token = service_token
         self.load = load
         self.cached_hashes = cached_hashes
         self.interval_s = interval_s
@@ -117,9 +125,11 @@ class Registration:
         # One transaction: a reader never sees the cache index half rewritten.
         pipe = await transaction(self.redis)
         key = self.keys.worker(self.worker_id)
+        record = {**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now), "ttl_ms": str(ttl_ms)}
+        if self.service_token:
+            record["sig"] = sign(self.service_token, self.worker_id, record)
         pipe.delete(key)  # (a tombstone an earlier run of this worker id left)
-        pipe.hset(key, mapping={**self.fields, "load": json.dumps(self.load()), "heartbeat": str(now),
-                                "ttl_ms": str(ttl_ms)})
+        pipe.hset(key, mapping=record)
         pipe.pexpire(key, ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now})
         pipe.expire(self.keys.workers(), WORKERS_TTL_S)

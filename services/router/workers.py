@@ -8,9 +8,13 @@ empty, or stalled, takes no worker out of the pool, and a worker that lost its r
 good leaves when the grace ends (and Status with it). While Redis does not answer at all, the
 last known pool stands. A worker that leaves on purpose leaves a tombstone: out at once.
 
-A worker whose registration is not signed with the deployment's service token, or whose hash
-profile differs from the pool's, is refused (no channel is ever opened to it), with the reason
-logged once and shown in Status.
+A worker whose registration is not signed with the deployment's service token, or whose signed
+heartbeat has lapsed (an old record written back), or whose hash profile differs from the pool's,
+is refused (no channel is ever opened to it), with the reason logged once and shown in Status. A
+worker in the pool whose record fails its signature later (edited, or an old one written back) is
+not read from it: the record counts as missing, and the worker's next beat mends it. A worker is
+registered anew when its role, address, profile or store node changes (its signature changes on
+every beat).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class WorkerView:
     worker_id: str
     role: str  # "prefill" | "decode"
     address: str
-    signature: str = ""  # the registration's `sig`: a new one is judged afresh
+    profile: str = ""  # its hash profile, as registered (JSON)
     store_node: str = "local"  # the store node it reads and writes KV through (a handoff stays on one node)
     shown: dict = field(default_factory=dict)  # its device and KV path, for Status only
     load: dict = field(default_factory=dict)
@@ -76,6 +80,11 @@ class WorkerView:
     @property
     def usable(self) -> bool:
         return self.healthy and self.registered and not self.refused_reason
+
+    def same_registration(self, rec: dict[str, str]) -> bool:
+        """Whether `rec` registers this worker as it is (else it registered anew)."""
+        return ((self.role, self.address, self.profile, self.store_node)
+                == (rec.get("role"), rec.get("address"), rec.get("profile"), rec.get("store_node") or "local"))
 
 
 def _grace_s(rec: dict[str, str]) -> float:
@@ -154,12 +163,18 @@ class WorkerPool:
                 continue
             if rec.get("role") not in ("prefill", "decode"):
                 continue
-            seen.add(wid)
+            untrusted = signature_problem(self.service_token, wid, rec) if self.service_token else ""
             view = self.workers.get(wid)
-            if view is None or view.address != rec.get("address") or view.signature != rec.get("sig", ""):
+            if untrusted and view is not None and not view.refused_reason:
+                if view.missing_since is None:
+                    log.warning("worker's registration not trusted: read as missing", worker=wid, reason=untrusted)
+                continue
+            seen.add(wid)
+            problem = untrusted or self._profile_problem(rec)
+            if view is None or not view.same_registration(rec) or (view.refused_reason and not problem):
                 if view is not None:
                     self._forget(wid, "registered anew")
-                view = self.workers[wid] = self._new_view(wid, rec)
+                view = self.workers[wid] = self._new_view(wid, rec, problem)
             view.registered, view.missing_since = True, None
             if not view.refused_reason:  # (a refused record's fields are never read: it may be anything)
                 view.load = json.loads(rec.get("load", "{}"))
@@ -185,13 +200,15 @@ class WorkerPool:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def _new_view(self, wid: str, rec: dict) -> WorkerView:
-        view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("sig", ""),
-                          rec.get("store_node") or "local", {k: rec.get(k, "") for k in ("device", "kv_path")})
-        if self.service_token:
-            view.refused_reason = signature_problem(self.service_token, wid, rec)
-        if not view.refused_reason and rec.get("profile") != self.profile_json:
-            view.refused_reason = f"hash profile differs from the pool's: {rec.get('profile')} vs {self.profile_json}"
+    def _profile_problem(self, rec: dict[str, str]) -> str:
+        if rec.get("profile") == self.profile_json:
+            return ""
+        return f"hash profile differs from the pool's: {rec.get('profile')} vs {self.profile_json}"
+
+    def _new_view(self, wid: str, rec: dict, refused_reason: str) -> WorkerView:
+        view = WorkerView(wid, rec["role"], rec.get("address", ""), rec.get("profile", ""),
+                          rec.get("store_node") or "local", {k: rec.get(k, "") for k in ("device", "kv_path")},
+                          refused_reason=refused_reason)
         if view.refused_reason:
             log.warning("worker refused", worker=wid, address=view.address, reason=view.refused_reason)
             return view

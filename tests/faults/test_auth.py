@@ -6,6 +6,7 @@ the deployment's token. Real processes, the shared Redis under a key prefix of i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -120,18 +121,24 @@ def test_clients_need_a_known_api_key(stack):
         assert len(c.generate(PROMPT, max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
-class FakeDecode:
-    """The named fake of the attack: a gRPC server that says SERVING and counts every other call."""
+class FakeDecode(grpc.ServerInterceptor):
+    """The named fake of the attack: a gRPC server that says SERVING and counts every other call
+    (and keeps every call's method and authorization, health checks included)."""
 
     def __init__(self):
         self.calls: list[str] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.seen: list[tuple[str, str]] = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[self])
         servicer = health.HealthServicer()
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self.server)
         self.server.add_generic_rpc_handlers([self])
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
+
+    def intercept_service(self, continuation, details):
+        self.seen.append((details.method, dict(details.invocation_metadata).get("authorization", "")))
+        return continuation(details)
 
     def service(self, details):  # grpc.GenericRpcHandler: every call that is not health lands here
         self.calls.append(details.method)
@@ -213,6 +220,92 @@ def test_a_registration_signed_with_the_deployment_token_is_trusted(stack):
     finally:
         unregister(stack, wid)
         fake.server.stop(0)
+
+
+def test_a_workers_load_edited_in_redis_is_not_believed(shared_redis_url, key_prefix):
+    """Someone who can write to Redis but lacks the token raises a live worker's free KV blocks, to
+    steer traffic to it: the router that knew the worker keeps its signed load; one that did not
+    refuses the record."""
+    worker = FakeDecode()
+
+    async def scenario(r, keys, reg, pool, other) -> None:
+        await reg.beat()
+        await pool.refresh()
+        assert pool.workers[reg.worker_id].load == {"free_kv_blocks": 10}
+        r.hset(keys.worker(reg.worker_id), "load", json.dumps({"free_kv_blocks": 1 << 30}))
+        await pool.refresh()
+        await other.refresh()
+        assert pool.workers[reg.worker_id].load == {"free_kv_blocks": 10}
+        assert "signature is wrong" in other.workers[reg.worker_id].refused_reason and other.usable("decode") == []
+
+    _with_a_live_worker(shared_redis_url, key_prefix, worker, scenario)
+
+
+def test_a_record_written_back_after_its_heartbeat_lapsed_gets_no_call(shared_redis_url, key_prefix, monkeypatch):
+    """A worker registers and leaves; an impostor listens on its old address; its record, captured
+    while it lived, is written back once its heartbeat lapsed: refused, and not even health-checked
+    (a check would carry the deployment's service token to the impostor). A heartbeat from the
+    future is refused too."""
+    from pdserve.cluster import registry
+    from tests.support.credentials import SERVICE_TOKEN
+
+    monkeypatch.setattr(registry, "CLOCK_SKEW_S", 0.2)  # (so the test waits 1.2 s, not 3)
+    impostor = FakeDecode()  # (the worker's address, later)
+
+    async def scenario(r, keys, reg, pool, _other) -> None:
+        await reg.beat()
+        captured = r.hgetall(keys.worker(reg.worker_id))
+        await pool.refresh()
+        assert [w.worker_id for w in pool.usable("decode")] == [reg.worker_id]  # (the control: trusted)
+        await reg.stop()
+        await pool.refresh()
+        assert pool.workers == {}
+        await asyncio.sleep(float(captured["heartbeat"]) + reg.ttl_ms / 1000 + 0.3 - time.time())
+        impostor.seen.clear()
+        r.delete(keys.worker(reg.worker_id))
+        r.hset(keys.worker(reg.worker_id), mapping=captured)
+        r.zadd(keys.workers(), {reg.worker_id: time.time()})
+        for _ in range(3):
+            await pool.refresh()
+        assert impostor.seen == [] and pool.usable("decode") == []
+        view = pool.workers[reg.worker_id]
+        assert "heartbeat is past its TTL" in view.refused_reason and view.channel is None
+
+    _with_a_live_worker(shared_redis_url, key_prefix, impostor, scenario)
+    future = {"role": "decode", "address": "127.0.0.1:1", "heartbeat": str(time.time() + 10), "ttl_ms": "1000"}
+    future["sig"] = sign(SERVICE_TOKEN, "w", future)
+    assert "in the future" in registry.signature_problem(SERVICE_TOKEN, "w", future)
+
+
+def _with_a_live_worker(url: str, key_prefix: str, fake: FakeDecode, scenario) -> None:
+    """Runs `scenario(r, keys, reg, pool, other)`: a decode Registration at `fake`'s address signed
+    with the service token, and two routers' worker pools (`other` not refreshed yet)."""
+    from pdserve.cluster import connect
+    from pdserve.cluster.registry import Registration
+    from services.router.workers import WorkerPool
+    from tests.support.credentials import SERVICE_TOKEN
+    from tests.test_registry import PROFILE
+
+    keys, r = RedisKeys(key_prefix), redis.Redis.from_url(url, decode_responses=True)
+
+    async def run() -> None:
+        reg = Registration(url, keys, f"decode-{fake.address}", "decode", fake.address, PROFILE,
+                           lambda: {"free_kv_blocks": 10}, interval_s=0.25, service_token=SERVICE_TOKEN)
+        pools = [WorkerPool(connect(url, 1.0), keys, PROFILE, 0.25, SERVICE_TOKEN) for _ in range(2)]
+        try:
+            await scenario(r, keys, reg, *pools)
+        finally:
+            await reg.stop()
+            for pool in pools:
+                await pool.stop()
+                await pool.redis.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        fake.server.stop(0)
+        for key in r.scan_iter(f"{key_prefix}:*"):
+            r.delete(key)
 
 
 def tiny_greedy(tiny, prompt, n):
