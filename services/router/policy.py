@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,6 +218,11 @@ class Policy:
         self._rr = itertools.count()
         self._turn = itertools.count()
         self._last_chosen: dict[str, int] = {}
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        """Forget when workers not among these were chosen (see RecentRoutes.keep_only)."""
+        for worker_id in self._last_chosen.keys() - set(worker_ids):
+            del self._last_chosen[worker_id]
 
     def _staleness(self, worker_id: str) -> int:
         return self._last_chosen.get(worker_id, -1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict, deque
+from collections.abc import Collection
 
 
 class RecentRoutes:
@@ -31,6 +32,12 @@ class RecentRoutes:
             chains.move_to_end(h)
         while len(chains) > self.max_per_worker:
             chains.popitem(last=False)
+
+    def keep_only(self, worker_ids: Collection[str]) -> None:
+        """Forget every worker but these (the pool's, when it forgets one: a worker id holds its
+        port, so with workers coming and going the ids never recur)."""
+        for worker_id in self._by_worker.keys() - set(worker_ids):
+            del self._by_worker[worker_id]
 
     def leading(self, worker_id: str, hashes: list[bytes]) -> int:
         """How many leading hashes of the chain were routed to this worker within the TTL.

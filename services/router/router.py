@@ -55,9 +55,9 @@ class Router:
         self.index = PrefixIndex(redis, pool.keys)
         self.mirror = mirror  # the index in memory, when kept; Redis is asked while it is not live
         self.pool = pool
-        self.policy = Policy(cfg.policy)
+        self.policy, self.recent = Policy(cfg.policy), RecentRoutes(ttl_s=3.0)
+        pool.on_forget += [self.policy.keep_only, self.recent.keep_only]  # (both keyed by worker id)
         self.coef = Coefficients()
-        self.recent = RecentRoutes(ttl_s=3.0)
         self.metrics = metrics
 
     # -- routing ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -115,6 +116,10 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # channels of workers that left, closing
         self._warned = False
+        # Told the ids the pool still holds, each time it forgets a worker: what the router keeps
+        # per worker (its recent routes, when each was last chosen) is pruned to them (an entry
+        # that a request in flight adds for a worker just forgotten goes at the next).
+        self.on_forget: list[Callable[[Collection[str]], None]] = []
 
     def usable(self, role: str) -> list[WorkerView]:
         return sorted((w for w in self.workers.values() if w.role == role and w.usable), key=lambda w: w.worker_id)
@@ -195,6 +200,8 @@ class WorkerPool:
         view = self.workers.pop(wid)
         view.registered = view.healthy = False
         log.info("worker left", worker=wid, address=view.address, reason=reason)
+        for keep_only in self.on_forget:
+            keep_only(self.workers.keys())
         if view.channel is not None:
             task = asyncio.get_running_loop().create_task(_close_when_idle(view))
             self._closing.add(task)
