@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 from pdserve.cluster import connect
 from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.registry import Registration
 from services.router.config import RouterConfig
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, PrefillCandidate
@@ -28,3 +31,32 @@ def test_a_worker_the_pool_forgets_leaves_the_routers_per_worker_memories():
     pool._forget("p-1", "left")
     pool._forget("p-2", "registration lapsed")
     assert set(router.recent._by_worker) == set(router.policy._last_chosen) == {"p-3"}
+
+
+def test_a_crashed_workers_record_lapses_though_request_look_ups_keep_failing(shared_redis_url, key_prefix):
+    """A worker whose record is gone (it crashed) leaves the pool once its grace has passed, even
+    while the requests' own Redis look-ups keep failing (each sets `redis_ok` false): only a failed
+    read of the registry itself restarts the graces. Before, every such failure did, and a
+    crashed worker stayed in the pool and in Status for good."""
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
+
+    async def scenario() -> tuple[float, bool, float]:
+        reg = Registration(shared_redis_url, keys, "p0", "prefill", "127.0.0.1:1", PROFILE, load=dict,
+                           interval_s=0.2)
+        await reg.beat()
+        pool = WorkerPool(connect(shared_redis_url, 0.5), keys, PROFILE, 0.1)
+        await pool._read_registry()
+        assert set(pool.workers) == {"p0"}
+        grace_s = pool.workers["p0"].grace_s
+        await pool.redis.delete(keys.worker("p0"))  # the worker crashed: its record lapsed
+        t0 = time.monotonic()
+        while "p0" in pool.workers and time.monotonic() - t0 < grace_s + 2.0:
+            pool.redis_ok = False  # a request's look-up failed meanwhile
+            await asyncio.sleep(0.1)
+            await pool._read_registry()
+        await reg.redis.aclose()
+        await pool.redis.aclose()
+        return grace_s, "p0" in pool.workers, time.monotonic() - t0
+
+    grace_s, still_there, took_s = asyncio.run(scenario())
+    assert not still_there and took_s <= grace_s + 0.5

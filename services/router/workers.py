@@ -112,7 +112,11 @@ class WorkerPool:
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerView] = {}
         self.redis_ok = False
-        self._readable_since = 0.0  # monotonic time Redis last became readable after not being so
+        # When the registry last became readable after a read of it failed: a record missing since
+        # before counts from then. (Only registry reads count: a request's look-up that failed sets
+        # `redis_ok` false too, but must not restart every missing worker's grace.)
+        self._readable_since = 0.0
+        self._registry_read = False  # the last read of the registry succeeded
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # channels of workers that left, closing
         self._warned = False
@@ -154,13 +158,14 @@ class WorkerPool:
             if self.redis_ok or not self._warned:
                 log.warning("redis unreachable: routing by load alone on the last known workers", error=str(e))
                 self._warned = True
-            self.redis_ok = False
+            self.redis_ok = self._registry_read = False
             return
         now = time.monotonic()
         if not self.redis_ok:
             log.info("redis reachable: cache-aware routing on")
+        if not self._registry_read:
             self._readable_since = now
-        self.redis_ok, self._warned = True, False
+        self.redis_ok, self._registry_read, self._warned = True, True, False
         seen = set()
         for wid, rec in records:
             if "left" in rec and wid in self.workers:  # a tombstone: it left on purpose
