@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from pdserve.cluster import connect
 from pdserve.cluster.index_events import EventWriter, IndexEvent, worker_owner
 from pdserve.cluster.index_mirror import IndexMirror, leading_runs
-from pdserve.cluster.keys import RedisKeys
+from pdserve.cluster.keys import INDEX_TTL_S, RedisKeys
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import Registration
 from pdserve.cluster.store_index import RedisIndex
@@ -270,6 +270,32 @@ def test_mirror_of_two_store_nodes_and_the_cluster_answers_as_the_lua_lookup(sha
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
+
+
+def test_a_gone_nodes_cluster_capacity_stops_counting(shared_redis_url, key_prefix):
+    """The cluster index is trimmed to what the live nodes' segments hold: a capacity entry not
+    rewritten within the index TTL (its node gone, or renamed) is removed, not summed. Before,
+    entries were never removed, and a departed node's segment kept hints of blocks long evicted."""
+    keys = RedisKeys.for_url(shared_redis_url, key_prefix)
+    chain = _chain(5, 8)
+
+    async def scenario():
+        node = RedisIndex(shared_redis_url, keys, lambda: [], node="A")
+        node.cluster_capacity_blocks = 5
+        r = connect(shared_redis_url, 2.0)
+        try:
+            await r.hset(keys.cluster_capacity(), "gone", f"1000:{time.time() - INDEX_TTL_S - 5:.0f}")
+            node.cluster_stored(chain)
+            await node.flush()
+            held = {bytes.fromhex(m.decode()) for m in await r.zrange(keys.cluster_index(), 0, -1)}
+            return held, set(await r.hkeys(keys.cluster_capacity()))
+        finally:
+            await r.delete(keys.store_index("A"), keys.cluster_index(), keys.cluster_capacity(), keys.index_events())
+            await node.redis.aclose()
+            await r.aclose()
+
+    held, nodes = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert held == set(chain[3:]) and nodes == {b"A"}  # A's 5 blocks: the newest five hints
 
 def test_the_store_index_flush_writes_each_change_exactly_in_one_script(shared_redis_url, key_prefix):
     """A flush's changes go to Redis as one string per tier, unpacked by a script there: the

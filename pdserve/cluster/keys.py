@@ -53,8 +53,9 @@ class RedisKeys:
         return f"{self.prefix}:index:cluster"
 
     def cluster_capacity(self) -> str:
-        """HASH node -> blocks its segment of the cluster holds (0: it only uses the cluster);
-        refreshed by each node's flush, TTL INDEX_TTL_S."""
+        """HASH node -> "blocks:unix time": what its segment of the cluster holds (0: it only uses
+        the cluster), as of its last flush; an entry older than INDEX_TTL_S (a node gone, or
+        renamed) is removed by the next write. TTL INDEX_TTL_S, refreshed by each node's flush."""
         return f"{self.prefix}:index:cluster-capacity"
 
     def worker_index(self, worker: str) -> str:

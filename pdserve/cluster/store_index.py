@@ -69,8 +69,9 @@ return 0
 # The node's changes to the cluster index, and its event, in one script: KEYS the index ZSET, the
 # capacity HASH, the event stream; ARGV the time (each member's score), owner, seq, stream maxlen,
 # TTL, hard cap, then pairs: held ("1" or "0") and the keys as one hex string. The index is then
-# trimmed, oldest first, to what the nodes' segments hold (their capacity entries summed): the
-# cluster evicts on its own, and hints past its size would promise blocks long gone. What the trim
+# trimmed, oldest first, to what the nodes' segments hold (their capacity entries, "blocks:time",
+# summed over the nodes that wrote theirs within the TTL; older entries are removed): the cluster
+# evicts on its own, and hints past its size would promise blocks long gone. What the trim
 # took goes out in the event's removed list, so mirrors drop it too (hence the event is written
 # here, where the trimmed members are known, not queued beside the script).
 APPLY_CLUSTER = """
@@ -92,7 +93,15 @@ for a = 7, #ARGV - 1, 2 do
   if held == "1" then added[#added + 1] = keys else removed[#removed + 1] = keys end
 end
 local cap = 0
-for _, v in ipairs(redis.call("HVALS", capacity)) do cap = cap + tonumber(v) end
+local nodes = redis.call("HGETALL", capacity)
+for i = 1, #nodes, 2 do
+  local blocks, at = string.match(nodes[i + 1], "^(%d+):([%d.]+)$")
+  if blocks and tonumber(now) - tonumber(at) <= tonumber(ttl) then
+    cap = cap + tonumber(blocks)
+  else
+    redis.call("HDEL", capacity, nodes[i])  -- a node gone this long (or renamed): its segment is no more
+  end
+end
 local over = redis.call("ZCARD", index) - math.min(cap, hard)
 if over > 0 then
   local gone = redis.call("ZRANGE", index, 0, over - 1)
@@ -252,7 +261,7 @@ class RedisIndex:
                                    removed=by_tier.get("", []))
         pipe.expire(index, INDEX_TTL_S)
         if self.cluster_capacity_blocks is not None:  # (each flush: the trim sums every node's)
-            pipe.hset(self.keys.cluster_capacity(), self.node, self.cluster_capacity_blocks)
+            pipe.hset(self.keys.cluster_capacity(), self.node, f"{self.cluster_capacity_blocks}:{time.time():.0f}")
             pipe.expire(self.keys.cluster_capacity(), INDEX_TTL_S)
         cluster = self._take_cluster()
         if cluster:
