@@ -7,9 +7,7 @@ checksum. A corrupt object is never served; a master that is down costs misses, 
 
 from __future__ import annotations
 
-import ctypes
 import os
-import struct
 import time
 from dataclasses import replace
 
@@ -20,7 +18,7 @@ from pdserve.kv.checksum import checksum_of
 from pdserve.kv.hashing import root_hash
 from pdserve.kvclient.store_client import StoreClient
 from pdserve.runtime.launch import MooncakeMaster
-from services.kvstore.cluster import TRAILER, blocks_held, object_key, object_nbytes, segment_bytes_holding
+from services.kvstore.cluster import blocks_held, object_key, object_nbytes, segment_bytes_holding, write_trailer
 from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import BLOCK, LocalClient, peer, start_store, tier_stats, wait_for
 from tests.support.procs import listening
@@ -59,6 +57,15 @@ def _assert_no_leaks(*clients: LocalClient) -> None:
     for client in clients:
         stats = client.stats()
         assert stats.active_leases == 0 and sum(t.pinned_blocks for t in stats.tiers) == 0
+
+
+def _raw_client(master: MooncakeMaster):
+    """A Mooncake store client of the test's own: it writes objects as no pdserve node would."""
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", SEGMENT, 16 << 20, "tcp", "", master.address) == 0
+    return raw
 
 
 def _get(client: LocalClient, seed: int, indices: list[int]) -> tuple[int, list[bool]]:
@@ -142,11 +149,8 @@ def test_only_blocks_no_cache_above_holds_are_written_to_the_cluster(shared_redi
 
 
 def test_a_corrupt_cluster_object_is_never_served_and_is_removed(shared_redis_url, key_prefix, master):
-    from mooncake.store import MooncakeDistributedStore
-
     b = _store(shared_redis_url, key_prefix, master)
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", SEGMENT, 16 << 20, "tcp", "", master.address) == 0
+    raw = _raw_client(master)
     try:
         cb = LocalClient(b.address)
         wait_for(lambda: _cluster(cb).connected, 30)
@@ -154,7 +158,7 @@ def test_a_corrupt_cluster_object_is_never_served_and_is_removed(shared_redis_ur
         good = block_data(2, 0)
         obj = torch.zeros(object_nbytes(BLOCK), dtype=torch.uint8)
         obj[:BLOCK] = good
-        struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(obj.data_ptr() + BLOCK), 0, checksum_of(good))
+        write_trailer(obj.data_ptr(), BLOCK, block_hash(2, 0), checksum_of(good))
         obj[100] ^= 1
         assert raw.register_buffer(obj.data_ptr(), obj.numel()) == 0
         key = object_key(root_hash(PROFILE), block_hash(2, 0))

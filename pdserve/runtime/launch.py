@@ -187,7 +187,8 @@ class MooncakeMaster:
     # How long an object stays unevictable after a put or a get (Mooncake's default: 10 s). The
     # cluster tier is a cache: at 10 s a busy cluster is full of objects it may not evict, and
     # refuses the newest blocks while it keeps old ones. 1 s covers a fetch; a read that outlives
-    # its lease and finds the memory reused fails its checksum and is a miss, never wrong KV.
+    # its lease and finds the memory reused by another key's object is refused (its trailer names
+    # another block) and is a miss, never wrong KV.
     KV_LEASE_MS = 1000
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: str | None = None) -> None:

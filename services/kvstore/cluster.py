@@ -3,10 +3,14 @@
 Blocks leaving this node's DRAM tier are copied into a registered staging buffer and written to
 the cluster (`batch_put_from`) by a thread of their own; a get whose hash chain runs past the
 local tiers fetches the rest (`batch_get_into`, into the same staging buffer) and the store
-imports what verifies into local slots. Each object is the block's bytes followed by the
-writer's checksum (8 bytes, little-endian), then zeros to a multiple of OBJECT_ALIGN; a block
-fetched from any node is verified against the checksum its first writer computed. Keys are
-`pdserve/<profile root>/<block hash>`: two models or KV layouts never share one.
+imports what verifies into local slots. Keys are `pdserve/<profile root>/<block hash>`: two
+models or KV layouts never share one. Each object is the block's bytes, then a trailer: the
+block's hash, the writer's checksum of the bytes and a seal of those two (write_trailer), then
+zeros to a multiple of OBJECT_ALIGN. A fetched object is served only if it is the block asked
+for, whole: its trailer names the key's hash, its seal holds and its bytes match the checksum,
+which the store then records for the block. The hash is what ties an object to its key: a read
+that outlives the master's object lease may find the memory reused by another key's put (every
+object has one size), and that object is whole and self-consistent.
 
 Nothing here waits on the cluster on the event loop's behalf: a spill with no staging room is
 dropped (counted), a fetch is bounded by `timeout_s` and answers a miss, and a master that is
@@ -35,11 +39,13 @@ import torch
 
 from pdserve import logs
 from pdserve.kv.checksum import checksum_at
+from pdserve.kv.hashing import HASH_BYTES
 from pdserve.runtime import bind_host
 
 log = logs.get("kvstore.cluster")
 
-TRAILER = 8  # the checksum after each object's block bytes
+_NAMED = struct.Struct(f"<{HASH_BYTES}sQ")  # the trailer's block hash and checksum; then the seal (8 bytes)
+TRAILER = _NAMED.size + 8  # 32 bytes after each object's block bytes
 # Each object is padded to a multiple of this: mooncake_master refuses some puts of other sizes as
 # a segment fills (4,000 spills into one 64 MiB segment: 64 KiB + 8-byte objects 8.3-8.6% refused,
 # the newest blocks lost; padded to 2 KiB 0.2%; to 4 KiB none; docs/perf-log.md, S28).
@@ -53,7 +59,7 @@ ERROR_LOG_S = 10.0  # a failed fetch is logged at most this often
 
 
 def object_nbytes(block_nbytes: int) -> int:
-    """An object's size in the cluster: the block's bytes, its checksum, zeros to OBJECT_ALIGN."""
+    """An object's size in the cluster: the block's bytes, its trailer, zeros to OBJECT_ALIGN."""
     return -(-(block_nbytes + TRAILER) // OBJECT_ALIGN) * OBJECT_ALIGN
 
 
@@ -71,6 +77,24 @@ def segment_bytes_holding(blocks: int, block_nbytes: int) -> int:
 def object_key(profile_root: bytes, block_hash: bytes) -> str:
     """A block's key in the cluster: the hash profile's root (model and KV layout), then the hash."""
     return f"pdserve/{profile_root.hex()[:16]}/{block_hash.hex()}"
+
+
+def write_trailer(address: int, block_nbytes: int, block_hash: bytes, checksum: int) -> None:
+    """Seal the object at `address` (its block's bytes in place): the block's hash and checksum,
+    then the seal, a checksum of those two (a read torn between two objects' trailers fails it)."""
+    at = address + block_nbytes
+    _NAMED.pack_into((ctypes.c_char * _NAMED.size).from_address(at), 0, block_hash, checksum)
+    struct.pack_into("<Q", (ctypes.c_char * 8).from_address(at + _NAMED.size), 0, checksum_at(at, _NAMED.size))
+
+
+def read_trailer(address: int, block_nbytes: int) -> tuple[bytes, int] | None:
+    """The (block hash, checksum) the object at `address` was sealed with; None if its seal fails."""
+    at = address + block_nbytes
+    (seal,) = struct.unpack("<Q", ctypes.string_at(at + _NAMED.size, 8))
+    if checksum_at(at, _NAMED.size) != seal:
+        return None
+    block_hash, checksum = _NAMED.unpack(ctypes.string_at(at, _NAMED.size))
+    return block_hash, checksum
 
 
 @dataclass(frozen=True)
@@ -97,7 +121,7 @@ class ClusterCounters:
     fetched: int = 0  # blocks fetched and verified
     fetch_misses: int = 0  # blocks asked for and not there (or not reachable)
     fetch_timeouts: int = 0
-    corrupt: int = 0  # fetched blocks failing their checksum: removed from the cluster
+    corrupt: int = 0  # fetched objects refused (not the key's block, or failing their checksum): removed there
     unreachable: int = 0  # gets that found the cluster not connected (not asked)
     fetch_errors: int = 0  # fetches that ended on a failure other than NOT_FOUND (logged with its code)
 
@@ -206,8 +230,7 @@ class ClusterTier:
             self.counters.spill_dropped += 1
             return
         self._view(slot).copy_(view)
-        struct.pack_into("<Q", (ctypes.c_char * TRAILER).from_address(self._address(slot) + self.block_nbytes), 0,
-                         checksum)
+        write_trailer(self._address(slot), self.block_nbytes, block_hash, checksum)
         self._writes.put((block_hash, slot))
 
     def _write_loop(self) -> None:
@@ -275,7 +298,7 @@ class ClusterTier:
         return run
 
     def _get(self, hashes: list[bytes], slots: list[int]) -> list[Fetched]:
-        """On the read thread: fetch, then verify each block against its trailer."""
+        """On the read thread: fetch, then verify each object is its key's block, whole."""
         keys = [self.key(h) for h in hashes]
         try:
             sizes = self._client.batch_get_into(keys, [self._address(s) for s in slots], [self.stride] * len(slots))
@@ -295,16 +318,19 @@ class ClusterTier:
                     self._fetch_failed(key, size)
                 break
             address = self._address(slot)
-            (expected,) = struct.unpack("<Q", ctypes.string_at(address + self.block_nbytes, TRAILER))
-            if checksum_at(address, self.block_nbytes) != expected:
+            checksum = checksum_at(address, self.block_nbytes)
+            sealed = read_trailer(address, self.block_nbytes)
+            if sealed != (h, checksum):
                 self.counters.corrupt += 1
                 self.counters.fetch_misses += len(hashes) - len(out) - 1
-                log.warning("a block fetched from the cluster failed its checksum: removed there", key=key)
+                log.warning("an object fetched from the cluster was refused: removed there", key=key,
+                            why="torn trailer" if sealed is None else "another block's object" if sealed[0] != h
+                            else "bytes failing their checksum")
                 self._client.remove(key, True)
                 if self.index is not None:
                     self.index.cluster_missing([h])
                 break
-            out.append(Fetched(h, expected, self._view(slot), slot))
+            out.append(Fetched(h, checksum, self._view(slot), slot))
         self.counters.fetched += len(out)
         if self.index is not None and out:  # (read recently: the master evicts it later, as the index trims)
             self.index.cluster_stored([f.key for f in out])

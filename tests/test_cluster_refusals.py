@@ -1,0 +1,60 @@
+"""What a cluster fetch refuses, against a real mooncake_master and store node: an object that
+is not the key's block is never served, nor one whose trailer mixes two objects'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kv.checksum import checksum_of
+from pdserve.kv.hashing import root_hash
+from services.kvstore.cluster import object_key, object_nbytes, read_trailer, write_trailer
+from tests.kv_peer import PROFILE, block_data, block_hash
+from tests.kvstore_support import BLOCK, LocalClient, wait_for
+from tests.test_cluster_tier import _cluster, _get, _raw_client, _store, master  # noqa: F401
+
+
+def test_another_blocks_object_under_a_key_is_refused_never_served(shared_redis_url, key_prefix, master):  # noqa: F811
+    """A read of K1 outlived the master's 1 s object lease; the master evicted K1 and gave its
+    memory to a put of K2 (every object has one size): the reader finds K2's object, whole and
+    as its writer stored it, under K1. It is refused (a miss, counted corrupt, removed), never
+    served as K1; K2 still reads back under its own key."""
+    b = _store(shared_redis_url, key_prefix, master)
+    raw = _raw_client(master)
+    try:
+        cb = LocalClient(b.address)
+        wait_for(lambda: _cluster(cb).connected, 30)
+        cb.put(7, [0, 1, 2, 3])
+        cb.put(8, [0, 1, 2, 3])  # 4 blocks of room: 7/* leave B's DRAM for the cluster
+        wait_for(lambda: _cluster(cb).spilled == 4, 10)
+        root = root_hash(PROFILE)
+        k1, k2 = object_key(root, block_hash(9, 0)), object_key(root, block_hash(7, 1))
+        obj = raw.get(k2)
+        assert len(obj) == object_nbytes(BLOCK)
+        assert raw.put(k1, obj) == 0
+
+        assert _get(cb, 9, [0, 1]) == (0, [])
+        c = _cluster(cb)
+        assert (c.fetched, c.corrupt) == (0, 1)
+        assert raw.batch_is_exist([k1]) == [0]  # removed from the cluster: nobody fetches it again
+        assert _get(cb, 9, [0]) == (0, [])  # nor was it stored here under 9/0
+        assert _get(cb, 7, [1]) == (1, [True])  # the object itself is sound, under its own key
+        c = _cluster(cb)
+        assert (c.fetched, c.corrupt) == (1, 1)
+        assert cb.stats().active_leases == 0
+    finally:
+        raw.close()
+        b.stop()
+
+
+def test_a_trailer_torn_between_two_objects_fails_its_seal():
+    """A read racing a put into reused memory may mix two objects: K2's bytes and checksum under
+    K1's block hash would pass a check of the hash and of the checksum, each alone; the seal over
+    the two refuses the mix. Sealed whole, the trailer reads back as written."""
+    obj = torch.zeros(object_nbytes(BLOCK), dtype=torch.uint8)
+    data = block_data(7, 1)
+    obj[:BLOCK] = data
+    write_trailer(obj.data_ptr(), BLOCK, block_hash(7, 1), checksum_of(data))
+    assert read_trailer(obj.data_ptr(), BLOCK) == (block_hash(7, 1), checksum_of(data))
+    obj[BLOCK : BLOCK + 16] = torch.frombuffer(bytearray(block_hash(9, 0)), dtype=torch.uint8)
+    assert read_trailer(obj.data_ptr(), BLOCK) is None
