@@ -90,8 +90,8 @@ def local_buffers() -> Buffers:
 class LocalClient:
     """A store client in the test process (the store itself runs in another process)."""
 
-    def __init__(self, address: str):
-        self.client = StoreClient(address, PROFILE, transfer())
+    def __init__(self, address: str, timeout_s: float = 5.0):
+        self.client = StoreClient(address, PROFILE, transfer(), timeout_s)
         self.buf = local_buffers()
         self.call(StoreClient.connect)
 

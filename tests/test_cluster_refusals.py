@@ -1,8 +1,12 @@
-"""What a cluster fetch refuses, against a real mooncake_master and store node: an object that
-is not the key's block is never served, nor one whose trailer mixes two objects'.
+"""What a cluster fetch refuses or gives up on, against a real mooncake_master and store nodes:
+an object that is not the key's block is never served, nor one whose trailer mixes two objects',
+and a get waits on the cluster no longer than its caller's deadline allows.
 """
 
 from __future__ import annotations
+
+import signal
+import time
 
 import torch
 
@@ -10,7 +14,7 @@ from pdserve.kv.checksum import checksum_of
 from pdserve.kv.hashing import root_hash
 from services.kvstore.cluster import object_key, object_nbytes, read_trailer, write_trailer
 from tests.kv_peer import PROFILE, block_data, block_hash
-from tests.kvstore_support import BLOCK, LocalClient, wait_for
+from tests.kvstore_support import BLOCK, LocalClient, peer, wait_for
 from tests.test_cluster_tier import _cluster, _get, _raw_client, _store, master  # noqa: F401
 
 
@@ -58,3 +62,31 @@ def test_a_trailer_torn_between_two_objects_fails_its_seal():
     assert read_trailer(obj.data_ptr(), BLOCK) == (block_hash(7, 1), checksum_of(data))
     obj[BLOCK : BLOCK + 16] = torch.frombuffer(bytearray(block_hash(9, 0)), dtype=torch.uint8)
     assert read_trailer(obj.data_ptr(), BLOCK) is None
+
+
+def test_a_get_waits_on_the_cluster_no_longer_than_its_callers_deadline(shared_redis_url, key_prefix,
+                                                                        master):  # noqa: F811
+    """A lends the cluster its segment and stops answering (SIGSTOP: a transfer from it hangs,
+    where a dead node's is refused at once). B's get with 0.6 s left, under the tier's 1 s
+    timeout, answers a miss before its caller gives up: the cluster costs a miss, never the
+    request (a get of many rounds, each under the tier's timeout, overran the worker's 5 s)."""
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    b = _store(shared_redis_url, key_prefix + "b", master, segment=0)
+    try:
+        ca, cb = LocalClient(a.address), LocalClient(b.address, timeout_s=0.6)
+        wait_for(lambda: _cluster(ca).connected and _cluster(cb).connected, 30)
+        peer("put", a.address, "--seed", "5", "--start", "0", "--n", "4")
+        peer("put", a.address, "--seed", "5", "--start", "4", "--n", "4")  # 0-3 leave A's DRAM for A's segment
+        wait_for(lambda: _cluster(ca).spilled == 4)
+        a.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert _get(cb, 5, [0, 1, 2, 3]) == (0, [])
+            assert time.monotonic() - t0 < 0.6
+            c = _cluster(cb)
+            assert (c.fetched, c.fetch_timeouts) == (0, 1), c
+        finally:
+            a.signal(signal.SIGCONT)
+    finally:
+        a.stop()
+        b.stop()

@@ -13,7 +13,8 @@ that outlives the master's object lease may find the memory reused by another ke
 object has one size), and that object is whole and self-consistent.
 
 Nothing here waits on the cluster on the event loop's behalf: a spill with no staging room is
-dropped (counted), a fetch is bounded by `timeout_s` and answers a miss, and a master that is
+dropped (counted), a get's fetches are bounded together (`deadline`: `timeout_s`, or sooner its
+caller's own deadline) and past it answer a miss, and a master that is
 down or not up yet is a miss for every fetch until the client reaches it again: after a get the
 master failed to answer, or one still running past its timeout, gets skip the cluster (a miss,
 at once) rather than queue behind it.
@@ -56,6 +57,7 @@ BATCH, BATCH_WAIT_S = 64, 0.002  # a put carries up to BATCH blocks, waiting thi
 MASTER_HIGH_WATERMARK = 0.9  # mooncake_master evicts past this share of a segment (its default)
 RETRY_S = 1.0  # after the master failed to answer a get, gets skip the cluster this long
 ERROR_LOG_S = 10.0  # a failed fetch is logged at most this often
+REPLY_MARGIN_S = 0.25  # a get stops waiting on the cluster this long before its caller's deadline
 
 
 def object_nbytes(block_nbytes: int) -> int:
@@ -105,7 +107,7 @@ class ClusterConfig:
     protocol: str = "tcp"
     segment_bytes: int = 0  # memory this node gives the cluster (0: it only uses it)
     buffer_bytes: int = 64 << 20  # the staging buffer, shared by spills and fetches
-    timeout_s: float = 2.0  # longest a get waits on a cluster fetch
+    timeout_s: float = 2.0  # longest a get waits on the cluster, all its fetches together
 
 
 @dataclass
@@ -266,14 +268,28 @@ class ClusterTier:
                 self.index.cluster_stored([h for h, c in zip(hashes, codes, strict=True) if c == 0])
 
     # -- reading ---------------------------------------------------------------------------
-    async def fetch(self, hashes: Sequence[bytes]) -> list[Fetched]:
+    def deadline(self, time_remaining: float | None) -> float:
+        """When a get stops waiting on the cluster (monotonic), however many fetches it makes:
+        `timeout_s` from now, or REPLY_MARGIN_S before its caller's deadline (`time_remaining`
+        seconds from now; None: none) if that comes first, so the cluster costs a miss, never the get."""
+        timeout_s = self.cfg.timeout_s
+        if time_remaining is not None:
+            timeout_s = min(timeout_s, time_remaining - REPLY_MARGIN_S)
+        return time.monotonic() + timeout_s
+
+    async def fetch(self, hashes: Sequence[bytes], deadline: float | None = None) -> list[Fetched]:
         """The leading run of `hashes` the cluster holds and that verifies, staged here until
-        `done_with`. At most the staging buffer's worth (a quarter of it: spills keep room)."""
+        `done_with`. At most the staging buffer's worth (a quarter of it: spills keep room).
+        Nothing (a timeout) once `deadline` (monotonic; None: `timeout_s` from now) has passed."""
         if not hashes:
             return []
         if self._client is None or (self._stuck is not None and not self._stuck.done()) or (
                 time.monotonic() < self._skip_until):
             self.counters.unreachable += 1
+            return []
+        wait_s = (deadline if deadline is not None else time.monotonic() + self.cfg.timeout_s) - time.monotonic()
+        if wait_s <= 0:
+            self.counters.fetch_timeouts += 1
             return []
         slots = []
         for _ in range(min(len(hashes), max(1, self.num_slots // 4))):
@@ -285,7 +301,7 @@ class ClusterTier:
             return []
         job = self._reads.submit(self._get, list(hashes[: len(slots)]), slots)
         try:
-            run = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), self.cfg.timeout_s)
+            run = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), wait_s)
         except TimeoutError:
             self.counters.fetch_timeouts += 1
             self._stuck = job

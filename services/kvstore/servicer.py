@@ -104,7 +104,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Get(self, request, context):
         hashes = self._hashes(request.profile, request.block_hashes, request.request_id)
         owner = client_id(context)
-        fetched = await self._from_cluster(hashes) if self.cluster is not None else set()
+        fetched = await self._from_cluster(hashes, context.time_remaining()) if self.cluster is not None else set()
         lease, blocks, tail = self.store.get(owner, hashes, _tail(request.tail_key), request.lease_ms,
                                              request.request_id)
         if lease is None:
@@ -114,14 +114,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                               lease_deadline_unix_ms=_unix_ms(lease.deadline),
                               from_cluster=sum(b.key in fetched for b in blocks))
 
-    async def _from_cluster(self, hashes: list[bytes]) -> set[bytes]:
+    async def _from_cluster(self, hashes: list[bytes], time_remaining: float | None) -> set[bytes]:
         """Where the local run of `hashes` ends, fetch what follows from the cluster, in rounds of
         what the staging buffer holds, into local slots; the keys it placed (they end the local run
-        the get then pins: nothing awaits between; one evicted between rounds is fetched again)."""
+        the get then pins: nothing awaits between; one evicted between rounds is fetched again).
+        The rounds share one deadline, within the caller's (`time_remaining`): past it, a miss."""
+        deadline = self.cluster.deadline(time_remaining)
         start = self.store.committed_run(hashes)
         fetched: set[bytes] = set()
         while start < len(hashes):
-            run = await self.cluster.fetch(hashes[start:])
+            run = await self.cluster.fetch(hashes[start:], deadline)
             if not run:
                 return fetched
             try:
