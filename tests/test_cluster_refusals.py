@@ -1,6 +1,7 @@
 """What a cluster fetch refuses or gives up on, against a real mooncake_master and store nodes:
 an object that is not the key's block is never served, nor one whose trailer mixes two objects',
-and a get waits on the cluster no longer than its caller's deadline allows.
+and a get waits on the cluster no longer than its caller's deadline allows (nor does a fetch
+given up while queued run later).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pdserve.kv.hashing import root_hash
 from services.kvstore.cluster import object_key, object_nbytes, read_trailer, write_trailer
 from tests.kv_peer import PROFILE, block_data, block_hash
 from tests.kvstore_support import BLOCK, LocalClient, peer, wait_for
-from tests.test_cluster_tier import _cluster, _get, _raw_client, _store, master  # noqa: F401
+from tests.test_cluster_tier import _alone, _cluster, _get, _raw_client, _store, master, wait_for_value  # noqa: F401
 
 
 def test_another_blocks_object_under_a_key_is_refused_never_served(shared_redis_url, key_prefix, master):  # noqa: F811
@@ -90,3 +91,54 @@ def test_a_get_waits_on_the_cluster_no_longer_than_its_callers_deadline(shared_r
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_fetch_given_up_while_queued_never_runs(shared_redis_url, key_prefix, master):  # noqa: F811
+    """Two fetches at once from a segment whose node stopped answering: the first hangs on the
+    read thread, the second waits behind it. Both give up at the tier's timeout; the queued one
+    is cancelled (its staging slots free at once, where it would have held them until the hung
+    read returned, then run), and gets skip the cluster while the hung one lasts."""
+    a = _store(shared_redis_url, key_prefix + "a", master)
+    try:
+        ca = LocalClient(a.address)
+        wait_for(lambda: _cluster(ca).connected, 30)
+        peer("put", a.address, "--seed", "5", "--start", "0", "--n", "4")
+        peer("put", a.address, "--seed", "5", "--start", "4", "--n", "4")
+        wait_for(lambda: _cluster(ca).spilled == 4)
+        a.signal(signal.SIGSTOP)
+        try:
+            assert _alone(_queued, master).endswith("queued: ok")
+        finally:
+            a.signal(signal.SIGCONT)
+    finally:
+        a.stop()
+
+
+def _queued(master_address: str) -> None:
+    import asyncio
+    import os
+    import traceback
+
+    from services.kvstore.cluster import ClusterConfig, ClusterTier
+
+    tier = ClusterTier(ClusterConfig(master_address, buffer_bytes=8 * object_nbytes(BLOCK), timeout_s=0.5),
+                       root_hash(PROFILE), BLOCK)
+    try:
+        assert wait_for_value(lambda: tier.connected, True, 30)
+        hashes = [block_hash(5, i) for i in range(4)]  # a fetch takes a quarter of the 8 slots: 2
+
+        async def go():
+            assert await asyncio.gather(tier.fetch(hashes), tier.fetch(hashes)) == [[], []]
+            assert await tier.fetch(hashes) == []  # at once: the first is still stuck
+
+        asyncio.run(go())
+        c = tier.counters
+        assert (c.fetch_timeouts, c.unreachable, c.fetched) == (2, 1, 0), c
+        assert tier._free.qsize() == 6, tier._free.qsize()  # all but the hung read's 2 slots
+        print("queued: ok", flush=True)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)  # now: the interpreter's exit would wait for the hung read thread
+    finally:
+        tier.close()
+    os._exit(0)  # (as _two_profiles: no Mooncake client teardown)

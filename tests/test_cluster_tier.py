@@ -220,19 +220,20 @@ def test_two_hash_profiles_sharing_one_master_never_read_each_others_blocks(mast
     """Two tiers of two block sizes (two hash profiles) on one real master, in a process of their
     own (a Mooncake client in the test process would outlive the test beside its transfer
     engine): the same block hash is two keys; each reads back only its own bytes, the other misses."""
-    assert _alone("_two_profiles", master).endswith("two profiles: ok")
+    assert _alone(_two_profiles, master).endswith("two profiles: ok")
 
 
-def _alone(fn: str, master: MooncakeMaster) -> str:
-    """Runs `fn(master address)` of this module in a process of its own (a Mooncake client in the
-    test process would outlive the test beside its transfer engine); returns its stdout."""
+def _alone(fn, master: MooncakeMaster) -> str:
+    """Runs `fn(master address)`, a test module's function, in a process of its own (a Mooncake
+    client in the test process would outlive the test beside its transfer engine); returns its stdout."""
     import subprocess
     import sys
 
     from tests.support.procs import ROOT
 
-    out = subprocess.run([sys.executable, "-c", f"import sys; from tests.test_cluster_tier import {fn}; "
-                          f"{fn}(sys.argv[1])", master.address], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", f"import sys; from {fn.__module__} import {fn.__name__}; "
+                          f"{fn.__name__}(sys.argv[1])", master.address], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout.strip()
 
@@ -349,7 +350,7 @@ def test_a_filling_segment_refuses_no_put_and_keeps_the_newest_blocks(master):
     """Spills at a steady rate into one segment until it has turned over three times: the master
     evicts the oldest, refuses none (objects padded to OBJECT_ALIGN: 64 KiB + 8-byte objects had
     8-9% of such puts refused, losing newest blocks), and the newest ones all read back."""
-    assert _alone("_fill", master).endswith("fill: ok")
+    assert _alone(_fill, master).endswith("fill: ok")
 
 
 def _fill(master_address: str) -> None:

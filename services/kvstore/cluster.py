@@ -304,8 +304,9 @@ class ClusterTier:
             run = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), wait_s)
         except TimeoutError:
             self.counters.fetch_timeouts += 1
-            self._stuck = job
             job.add_done_callback(lambda _: self._give_back(slots))  # the thread may still write into them
+            if not job.cancel():  # running (a queued one never runs, holding slots, behind a hung read)
+                self._stuck = job
             return []
         except BaseException:
             job.add_done_callback(lambda _: self._give_back(slots))
