@@ -114,7 +114,8 @@ class ClusterConfig:
 class ClusterCounters:
     """Each count has one writer: `spill_dropped`, `fetch_timeouts` and `unreachable` the event
     loop, `spilled` and `put_failures` the put thread, the fetch figures the get thread.
-    `connected`: set up, and the master answered the last call."""
+    `connected`: set up, and the master answered the last call that says (a get, a write that
+    landed or failed RPC_FAIL: a write refused otherwise leaves it as it was)."""
 
     connected: bool = False
     spilled: int = 0  # blocks written to the cluster
@@ -260,8 +261,9 @@ class ClusterTier:
             finally:
                 for s in slots:
                     self._free.put(s)
-            self.counters.connected = RPC_FAIL not in codes
             ok = sum(c == 0 for c in codes)
+            if RPC_FAIL in codes or ok:
+                self.counters.connected = RPC_FAIL not in codes
             self.counters.spilled += ok
             self.counters.put_failures += len(codes) - ok
             if self.index is not None and ok:
