@@ -97,19 +97,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, max_request_bytes: int | None = None, calls: Counter[str] | None = None) -> None:
         self.max_request_bytes = max_request_bytes
-        self.calls = calls  # when given, counts every call by its full method name
+        self.calls = calls  # when given, counts every call of a method served here, by its full name
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # per method, built on its first call
 
     async def intercept_service(self, continuation, details):
         method = details.method
-        if self.calls is not None:
-            self.calls[method] += 1
         wrapped = self._wrapped.get(method)
         if wrapped is None:
             handler = await continuation(details)
             if handler is None:
-                return None
+                return None  # (no such method: neither counted nor kept, as a caller may name any)
             wrapped = self._wrapped[method] = self._wrap(handler, method)
+        if self.calls is not None:
+            self.calls[method] += 1
         return wrapped
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

@@ -31,7 +31,7 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 from tests.support.credentials import API_KEY, SERVICE_METADATA, bearer
-from tests.support.stack import Stack
+from tests.support.stack import Stack, run, store_stats
 
 UNAUTHENTICATED, PERMISSION_DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 PROMPT = [(i * 31 + 7) % 256 for i in range(40)]
@@ -102,6 +102,20 @@ def test_internal_rpcs_refuse_callers_without_the_service_token(stack):
         for ch in channels:
             ch.close()
 
+
+
+def test_calls_to_methods_that_do_not_exist_leave_nothing_behind(stack):
+    """A caller without a credential naming methods at random (each its own long name) gets
+    UNIMPLEMENTED, and the store keeps nothing of them: its per-method call counts covered every
+    name asked for, and grew by about 4 KB a call."""
+    with grpc.insecure_channel(stack.store.address) as ch:
+        for i in range(50):
+            call = ch.unary_unary(f"/pdserve.v1.KVStore/Nope{i}{'x' * 2000}")
+            with pytest.raises(grpc.RpcError) as e:
+                call(b"", timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    calls = run(store_stats(stack.store.address)).calls
+    assert not [m for m in calls if m.startswith("Nope")]
 
 def test_clients_need_a_known_api_key(stack):
     for key in ("", "wrong-key", "Bearer"):
