@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -341,5 +342,14 @@ def test_prometheus_metrics_endpoint(shared_redis_url, key_prefix):
         assert "pdserve_router_prompt_tokens_total 120" in body
         assert "pdserve_store_up 1" in body and "pdserve_store_bytes_written" in body
         assert "pdserve_store_corrupt_blocks 0" in body and "pdserve_store_fenced_blocks 0" in body
+        # Scrapes within a second share one call to the store (each would be one).
+        asked = run(store_stats(s.store.address)).calls["Stats"]
+        for _ in range(2):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert run(store_stats(s.store.address)).calls["Stats"] - asked <= 2  # (one of them this look)
+        # A caller that connects and sends nothing is let go, not held forever.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            t0 = time.monotonic()
+            assert idle.recv(1) == b"" and time.monotonic() - t0 < 8
     finally:
         s.stop()

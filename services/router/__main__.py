@@ -23,7 +23,7 @@ from services.router.http.server import HttpServer
 from services.router.metrics import Metrics
 from services.router.router import Router
 from services.router.servicer import RouterServicer
-from services.router.status import status, store_gauges
+from services.router.status import status, store_gauges_shared
 from services.router.workers import WorkerPool
 
 log = logs.get("router")
@@ -39,8 +39,10 @@ async def main() -> None:
     pool = WorkerPool(redis, keys, profile, cfg.refresh_s, auth.current().service_token)
     router: Router | None = None
 
+    store = store_gauges_shared(cfg.store)
+
     async def gauges() -> dict[str, float]:
-        return {**await store_gauges(cfg.store), **(router.coef.gauges() if router else {})}
+        return {**await store(), **(router.coef.gauges() if router else {})}
 
     metrics = Metrics(gauges=gauges)
     mirror = IndexMirror(connect(cfg.redis_url, 2.0),
@@ -69,7 +71,7 @@ async def main() -> None:
     http = None
     if cfg.http_port >= 0:
         template = ChatTemplate.for_model(cfg.model)
-        app = build_app(router, cfg.served_model_name or cfg.model, template, lambda: store_gauges(cfg.store))
+        app = build_app(router, cfg.served_model_name or cfg.model, template, store)
         tls = auth.current().tls
         http = HttpServer(app, cfg.host, cfg.http_port, tls)
         await http.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 
+READ_TIMEOUT_S, MAX_HEADER_LINES = 5.0, 100  # a scrape's request: read within, at most
 BUCKETS_MS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 HELP = {
     "ttft_ms": "time to first token seen by the router",
@@ -69,9 +70,14 @@ class Metrics:
     async def serve(self, host: str, port: int) -> int:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                request = await reader.readline()
-                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    pass
+                try:  # (no credential here: a caller that sends nothing, or without end, is let go)
+                    async with asyncio.timeout(READ_TIMEOUT_S):
+                        request = await reader.readline()
+                        for _ in range(MAX_HEADER_LINES):
+                            if await reader.readline() in (b"\r\n", b"\n", b""):
+                                break
+                except (TimeoutError, ValueError, ConnectionError):
+                    return
                 ok = request.split(b" ")[1:2] == [b"/metrics"]
                 gauges = await self.gauges() if ok and self.gauges else None
                 body = self.render(gauges).encode() if ok else b"not found\n"

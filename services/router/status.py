@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -56,6 +58,19 @@ async def _store(address: str) -> router_pb2.StoreStatus:
                                   device_capacity_blocks=dev.capacity_blocks, dram_used_blocks=dram.used_blocks,
                                   dram_capacity_blocks=dram.capacity_blocks, hits=s.hits, misses=s.misses,
                                   active_leases=s.active_leases)
+
+
+def store_gauges_shared(address: str, every_s: float = 1.0) -> Callable[[], Awaitable[dict[str, float]]]:
+    """`store_gauges`, asked of the store at most once every `every_s`: the scrapes of both
+    /metrics ports share one answer (each would otherwise be a call to the store)."""
+    asked: list = [0.0, None]  # when, and the call's task
+
+    async def gauges() -> dict[str, float]:
+        if asked[1] is None or time.monotonic() - asked[0] >= every_s:
+            asked[:] = [time.monotonic(), asyncio.ensure_future(store_gauges(address))]
+        return dict(await asyncio.shield(asked[1]))
+
+    return gauges
 
 
 async def store_gauges(address: str) -> dict[str, float]:
