@@ -58,7 +58,8 @@ class Stack:
             self.redis_url = a.redis_url
             say(f"redis {auth.redact_url(a.redis_url)}, keys under {self.key_prefix}:")
         else:
-            self.redis = RedisServer().start()
+            self.redis = RedisServer()  # (held before start: stop() ends it, whatever cuts start short)
+            self.redis.start()
             self.redis_url = self.redis.url
             say(f"started our own redis at {self.redis.url}")
         # Secrets reach the processes by environment only: the Redis URL may hold a password, and
@@ -68,7 +69,8 @@ class Stack:
         model = ["--model", a.model, "--dtype", a.dtype, "--block-size", str(a.block_size), "--engine", a.engine]
         cluster: list[str] = []
         if a.cluster_store:
-            self.master = MooncakeMaster(log_path=os.path.join(self.log_dir, "mooncake_master.log")).start()
+            self.master = MooncakeMaster(log_path=os.path.join(self.log_dir, "mooncake_master.log"))
+            self.master.start()
             say(f"mooncake_master {self.master.address}")
             cluster = ["--cluster-store", a.cluster_store, "--cluster-master", self.master.address,
                        "--cluster-segment-bytes", str(a.cluster_segment_mib << 20)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pdserve.native import NativeUnavailable
@@ -85,7 +87,8 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisServer:
+    def start(self, timeout_s: float = 10) -> RedisServer:
+        """Returns once it answers; raises, with the child ended, if it does not within `timeout_s`."""
         # redis-server reads a config from stdin when given "-" (so `ps` never shows the password).
         config = "".join(f"{k} {v}\n" for k, v in (("port", self.port), ("bind", "127.0.0.1"), ("save", '""'),
                                                    ("appendonly", "no"), *self.config.items()))
@@ -94,19 +97,14 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [*die_with_parent(), self.exe, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)
-        self.proc.stdin.write(config.encode())
-        self.proc.stdin.close()
-        deadline = time.time() + 10
-        while not redis_reachable(self.url):
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+        with _ended_on_failure(self.proc):
+            self.proc.stdin.write(config.encode())
+            self.proc.stdin.close()
+            _wait_until(self.proc, lambda: redis_reachable(self.url), timeout_s, f"redis-server on port {self.port}")
         return self
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
+    def stop(self, timeout_s: float = 10) -> None:
+        _end(self.proc, timeout_s)
 
 
 class ServiceProcess:
@@ -209,25 +207,54 @@ class MooncakeMaster:
              f"--metrics_host={self.host}", f"--metrics_port={free_port()}",
              "--enable_http_metadata_server=false", f"--default_kv_lease_ttl={self.KV_LEASE_MS}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                socket.create_connection((self.host, self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"mooncake_master did not start on {self.address}") from None
-                time.sleep(0.05)
+        with _ended_on_failure(self.proc):
+            _wait_until(self.proc, lambda: _accepts(self.host, self.port), timeout_s,
+                        f"mooncake_master on {self.address}")
+        return self
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def stop(self, timeout_s: float = 10) -> None:
+        _end(self.proc, timeout_s)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait_until(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not ready():
+        if time.time() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _ended_on_failure(proc: subprocess.Popen) -> Iterator[None]:
+    """Whatever interrupts a start (a timeout, a signal's exception) ends our child first: a
+    caller whose start() raised may hold no handle to it."""
+    try:
+        yield
+    except BaseException:
+        _end(proc, 10)
+        raise
+
+
+def _end(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGTERM to our child `proc`, SIGKILL if it has not gone within `timeout_s`; reaped either way."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
