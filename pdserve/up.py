@@ -2,10 +2,10 @@
 and the router, each its own process. Ctrl-C / SIGTERM stops everything it started, by pid, in
 reverse order.
 
-Redis: without `--redis-url` (or REDIS_URL) it starts a redis-server of its own, which leaves with
-it. Given a URL, the stack's keys live under a prefix unique to the run (unless `--key-prefix`
-names one), and `up` deletes every key under that prefix once its processes have stopped, so a
-user's Redis keeps nothing of the run (`--keep-keys` to keep them).
+Redis: without `--redis-url` (or REDIS_URL) it starts a redis-server of its own, with a password
+made for the run, which leaves with it. Given a URL, the stack's keys live under a prefix unique to
+the run (unless `--key-prefix` names one), and `up` deletes every key under that prefix once its
+processes have stopped, so a user's Redis keeps nothing of the run (`--keep-keys` to keep them).
 
 `--store-nodes N` runs N store nodes (node-0 ... node-N-1), the workers spread over them in turn;
 with `--cluster-store mooncake` it also starts a mooncake_master (from the transfer-engine wheel)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -58,10 +59,11 @@ class Stack:
             self.redis_url = a.redis_url
             say(f"redis {auth.redact_url(a.redis_url)}, keys under {self.key_prefix}:")
         else:
-            self.redis = RedisServer()  # (held before start: stop() ends it, whatever cuts start short)
+            # Any local user can reach a loopback port: our Redis wants a password, given on its stdin.
+            self.redis = RedisServer(password=secrets.token_urlsafe(24))  # (held before start: stop() ends it)
             self.redis.start()
             self.redis_url = self.redis.url
-            say(f"started our own redis at {self.redis.url}")
+            say(f"started our own redis at {auth.redact_url(self.redis.url)}")
         # Secrets reach the processes by environment only: the Redis URL may hold a password, and
         # the stack's own service token and API key are fresh for this run.
         os.environ.update({**auth.stack_secrets(), "PDSERVE_REDIS_URL": self.redis_url})

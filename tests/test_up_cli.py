@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,3 +122,53 @@ def test_demo_output_escapes_what_a_terminal_would_run():
     from pdserve.up import printable
 
     assert printable("ok\x1b[2J\x07é\n\tend\x00") == "ok\\x1b[2J\\x07é\n\tend\\x00"
+
+
+def _up(*flags: str, env: dict[str, str] | None = None, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "-1", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+
+def _child(pid: int, word: str) -> int | None:
+    """The pid of `pid`'s child whose command line holds `word`, if one does."""
+    for k in children(pid):
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if word.encode() in f.read():
+                    return k
+        except OSError:
+            continue
+    return None
+
+
+def test_ups_own_redis_wants_a_password(tmp_path):
+    from urllib.parse import urlsplit
+
+    from tests.support.procs import listening
+
+    err = tmp_path / "up.err"
+    with open(err, "w") as stderr:
+        up = _up("--key-prefix", f"pdtest-uppw-{os.getpid()}", stderr=stderr)
+    try:
+        assert up.stdout.readline().startswith("router at ")
+        kids = children(up.pid)
+        redis_pid = _child(up.pid, "redis-server")
+        assert redis_pid, "up started no redis-server"
+        with open(f"/proc/{_child(up.pid, 'services.kvstore')}/environ", "rb") as f:
+            env = dict(v.split("=", 1) for v in f.read().decode().split("\0") if "=" in v)
+        password = urlsplit(env["PDSERVE_REDIS_URL"]).password
+        assert password and len(password) >= 24  # the services get it by environment ...
+        for k in kids:  # ... and no command line shows it
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                assert password.encode() not in f.read()
+        ((_, port),) = listening(redis_pid)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(64).startswith(b"-NOAUTH")  # a local user without it gets nothing
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        assert password not in up.stdout.read() + err.read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
