@@ -127,6 +127,14 @@ class Stack:
                     raise RuntimeError(f"only {healthy} of {want} workers became healthy")
                 time.sleep(0.2)
 
+    def exited(self) -> list[str]:
+        """What the stack cannot serve without and has lost: its services, and a Redis of its own
+        (a mooncake_master is not among them: the services serve on without the cluster tier)."""
+        dead = [p.name for p in self.procs if p.proc and p.proc.poll() is not None]
+        if self.redis and self.redis.proc.poll() is not None:
+            dead.append(f"redis-server (code {self.redis.proc.returncode})")
+        return dead
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
@@ -161,15 +169,25 @@ def run(args: argparse.Namespace) -> int:
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:
             say("serving; Ctrl-C stops everything")
-            while not done.wait(0.5):
-                dead = [p.name for p in stack.procs if p.proc.poll() is not None]
-                if dead:
-                    say(f"stopping: {', '.join(dead)} exited")
-                    return 1
+            return _serve(stack, done)
         return 0
     finally:
         stack.stop()
         say(f"stopped; logs kept in {stack.log_dir}")
+
+
+def _serve(stack: Stack, done: threading.Event) -> int:
+    """Until a signal (0) or until a process the stack needs exits (1, naming it)."""
+    master_gone = False
+    while not done.wait(0.5):
+        dead = stack.exited()
+        if dead:
+            say(f"stopping: {', '.join(dead)} exited")
+            return 1
+        if stack.master and not master_gone and stack.master.proc.poll() is not None:
+            master_gone = True
+            say(f"mooncake_master exited (code {stack.master.proc.returncode}): serving on without the cluster tier")
+    return 0
 
 
 def _demo(address: str, prompt: str, max_tokens: int) -> None:

@@ -141,7 +141,17 @@ def _child(pid: int, word: str) -> int | None:
     return None
 
 
-def test_ups_own_redis_wants_a_password(tmp_path):
+def _stopped(up: subprocess.Popen, kids: set[int], timeout_s: float) -> int:
+    """`up`'s exit status once it and every child in `kids` are gone (fails past `timeout_s`)."""
+    rc = up.wait(timeout_s)
+    deadline = time.time() + 10
+    while any(alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(k) for k in kids), "orphans left behind"
+    return rc
+
+
+def test_ups_own_redis_wants_a_password_and_its_loss_stops_up(tmp_path):
     from urllib.parse import urlsplit
 
     from tests.support.procs import listening
@@ -165,9 +175,12 @@ def test_ups_own_redis_wants_a_password(tmp_path):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(b"PING\r\n")
             assert s.recv(64).startswith(b"-NOAUTH")  # a local user without it gets nothing
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 0
-        assert password not in up.stdout.read() + err.read_text()
+        # Its Redis gone, `up` says so and stops everything with a failure.
+        os.kill(redis_pid, signal.SIGKILL)
+        assert _stopped(up, kids, 30) == 1
+        out = up.stdout.read() + err.read_text()
+        assert "redis-server (code -9) exited" in out
+        assert password not in out
     finally:
         if up.poll() is None:
             up.kill()
