@@ -154,11 +154,27 @@ def say(msg: str) -> None:
     print(f"pdserve up: {msg}", file=sys.stderr, flush=True)
 
 
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM before the stack serves: raised from the handler, so a wait in startup (or
+    the demo) ends at once. A BaseException, like KeyboardInterrupt: no `except Exception` eats it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run(args: argparse.Namespace) -> int:
     stack = Stack(args)
+    serving = threading.Event()  # set, a signal no longer interrupts: it ends the serving loop
     done = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if not serving.is_set():
+            raise Interrupted(signum)
+        done.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     try:
         address = stack.start()
         print(f"router at {address}", flush=True)
@@ -169,9 +185,15 @@ def run(args: argparse.Namespace) -> int:
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:
             say("serving; Ctrl-C stops everything")
+            serving.set()
             return _serve(stack, done)
         return 0
+    except Interrupted as e:
+        serving.set()
+        say(f"{signal.Signals(e.signum).name} before the stack served: stopping what started")
+        return 128 + e.signum  # as a shell reports a process a signal ended
     finally:
+        serving.set()  # (a second signal must not cut stop() short)
         stack.stop()
         say(f"stopped; logs kept in {stack.log_dir}")
 

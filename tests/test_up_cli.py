@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support.procs import ROOT
 
 
@@ -181,6 +183,27 @@ def test_ups_own_redis_wants_a_password_and_its_loss_stops_up(tmp_path):
         out = up.stdout.read() + err.read_text()
         assert "redis-server (code -9) exited" in out
         assert password not in out
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_startup_stops_up_at_once(tmp_path, sig):
+    up = _up("--key-prefix", f"pdtest-upint-{os.getpid()}", stderr=subprocess.PIPE)
+    try:
+        for line in up.stderr:  # a service is starting: the stack is half up
+            if "started our own redis" in line:
+                break
+        deadline = time.time() + 30
+        while _child(up.pid, "services.kvstore") is None:
+            assert time.time() < deadline, "no store started"
+            time.sleep(0.05)
+        kids = children(up.pid)
+        up.send_signal(sig)
+        assert _stopped(up, kids, 10) == 128 + sig
+        assert up.stdout.read() == ""  # it went on to start nothing more: no router, no key
     finally:
         if up.poll() is None:
             up.kill()
