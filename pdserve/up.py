@@ -107,7 +107,7 @@ class Stack:
         if a.http_port >= 0:
             self.http_port = int(open(http_port_file).read())
         self._wait_for_pool()
-        return f"{a.host}:{self.router.port}"
+        return f"{dial_host(a.host)}:{self.router.port}"
 
     def _add(self, proc: ServiceProcess) -> ServiceProcess:
         self.procs.append(proc)
@@ -117,7 +117,7 @@ class Stack:
         from pdserve.client import Client
 
         want = self.args.prefill + self.args.decode
-        with Client(f"127.0.0.1:{self.router.port}") as c:
+        with Client(f"{dial_host(self.args.host)}:{self.router.port}") as c:
             deadline = time.time() + timeout_s
             while True:
                 healthy = sum(1 for w in c.status().workers if w.healthy)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"router at {address}", flush=True)
         print(f"{auth.ENV_API_KEY}={os.environ[auth.ENV_API_KEY]}", flush=True)  # to paste into a shell
         if stack.http_port:
-            print(f"OpenAI API at http://{args.host}:{stack.http_port}/v1", flush=True)
+            print(f"OpenAI API at http://{dial_host(args.host)}:{stack.http_port}/v1", flush=True)
         if args.demo_prompt:
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:
@@ -210,6 +210,16 @@ def _serve(stack: Stack, done: threading.Event) -> int:
             master_gone = True
             say(f"mooncake_master exited (code {stack.master.proc.returncode}): serving on without the cluster tier")
     return 0
+
+
+def dial_host(host: str) -> str:
+    """How a client on this machine writes the host of a server listening on `host`: a wildcard
+    is reached over loopback, an IPv6 address is bracketed for host:port."""
+    if host in ("", "0.0.0.0", "*"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _demo(address: str, prompt: str, max_tokens: int) -> None:

@@ -208,3 +208,43 @@ def test_a_signal_during_startup_stops_up_at_once(tmp_path, sig):
         if up.poll() is None:
             up.kill()
             up.wait(10)
+
+
+def _non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this machine other than loopback (the source of its default route), if any."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # (UDP: sends nothing)
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def test_up_serves_on_a_non_loopback_host():
+    from pdserve.client import Client
+
+    host = _non_loopback_ipv4()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    up = _up("--host", host, "--key-prefix", f"pdtest-uphost-{os.getpid()}")
+    try:
+        line = up.stdout.readline()
+        assert line.startswith(f"router at {host}:"), line
+        key = up.stdout.readline().strip().partition("=")[2]
+        with Client(line.split()[-1], api_key=key, timeout_s=30) as c:
+            assert [w.healthy for w in c.status().workers] == [True, True]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+
+
+def test_dial_host_unit():
+    """(The address helper alone.)"""
+    from pdserve.up import dial_host
+
+    assert [dial_host(h) for h in ("0.0.0.0", "", "::", "127.0.0.1", "10.1.2.3", "fe80::1", "[::1]", "box")] == [
+        "127.0.0.1", "127.0.0.1", "[::1]", "127.0.0.1", "10.1.2.3", "[fe80::1]", "[::1]", "box"]
