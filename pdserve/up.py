@@ -4,8 +4,10 @@ reverse order.
 
 Redis: without `--redis-url` (or REDIS_URL) it starts a redis-server of its own, with a password
 made for the run, which leaves with it. Given a URL, the stack's keys live under a prefix unique to
-the run (unless `--key-prefix` names one), and `up` deletes every key under that prefix once its
-processes have stopped, so a user's Redis keeps nothing of the run (`--keep-keys` to keep them).
+the run, or the one `--key-prefix` names if it holds no key there yet (one that does is refused:
+the stack would join, and on exit delete, a deployment not its own); `up` deletes every key under
+that prefix once its processes have stopped, so a user's Redis keeps nothing of the run
+(`--keep-keys` to keep them).
 
 `--store-nodes N` runs N store nodes (node-0 ... node-N-1), the workers spread over them in turn;
 with `--cluster-store mooncake` it also starts a mooncake_master (from the transfer-engine wheel)
@@ -27,7 +29,7 @@ import time
 import uuid
 
 from pdserve.cluster import REDIS_DOWN
-from pdserve.cluster.cleanup import delete_prefix
+from pdserve.cluster.cleanup import delete_prefix, prefix_in_use
 from pdserve.runtime import auth
 from pdserve.runtime.launch import MooncakeMaster, RedisServer, ServiceProcess, redis_reachable
 
@@ -56,6 +58,10 @@ class Stack:
         if a.redis_url:
             if not redis_reachable(a.redis_url):
                 raise RuntimeError(f"no Redis answers at {auth.redact_url(a.redis_url)}")
+            # (Checked before redis_url is set: stop() deletes the prefix of a run that has one.)
+            if a.key_prefix and self._prefix_in_use(a.redis_url, a.key_prefix):
+                raise ValueError(f"--key-prefix {a.key_prefix}: {auth.redact_url(a.redis_url)} already holds keys "
+                                 "under it (another deployment's?); name a prefix of this run's own, or none")
             self.redis_url = a.redis_url
             say(f"redis {auth.redact_url(a.redis_url)}, keys under {self.key_prefix}:")
         else:
@@ -108,6 +114,13 @@ class Stack:
             self.http_port = int(open(http_port_file).read())
         self._wait_for_pool()
         return f"{dial_host(a.host)}:{self.router.port}"
+
+    @staticmethod
+    def _prefix_in_use(url: str, prefix: str) -> bool:
+        try:
+            return prefix_in_use(url, prefix)
+        except (*REDIS_DOWN, TimeoutError) as e:
+            raise RuntimeError(f"could not check {auth.redact_url(url)} for keys under {prefix}: ({e})") from None
 
     def _add(self, proc: ServiceProcess) -> ServiceProcess:
         self.procs.append(proc)
@@ -267,7 +280,8 @@ def add_parser(sub) -> None:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="a Redis to use (default: env REDIS_URL, else a redis-server of our own); its keys "
                         "under the run's prefix are deleted on exit")
-    p.add_argument("--key-prefix", default="", help="Redis key prefix (default: one per run)")
+    p.add_argument("--key-prefix", default="", help="Redis key prefix (default: one per run); refused when "
+                                                    "--redis-url already holds keys under it")
     p.add_argument("--keep-keys", action="store_true", help="leave the run's keys in --redis-url on exit")
     p.add_argument("--store-device-mib", type=int, default=256)
     p.add_argument("--store-dram-mib", type=int, default=1024)

@@ -248,3 +248,25 @@ def test_dial_host_unit():
 
     assert [dial_host(h) for h in ("0.0.0.0", "", "::", "127.0.0.1", "10.1.2.3", "fe80::1", "[::1]", "box")] == [
         "127.0.0.1", "127.0.0.1", "[::1]", "127.0.0.1", "10.1.2.3", "[fe80::1]", "[::1]", "box"]
+
+
+def test_a_named_prefix_holding_keys_is_refused_and_kept():
+    import secrets
+
+    from pdserve.cluster import connect_sync
+    from tests.support.procs import RedisServer
+
+    server = RedisServer(password=secrets.token_urlsafe(24)).start()
+    try:
+        prefix = f"pdtest-upkeep-{os.getpid()}"
+        client = connect_sync(server.url, 5)
+        client.set(f"{prefix}:theirs", "1")  # a deployment already under that prefix
+        up = _up("--key-prefix", prefix, "--exit-after-demo", stderr=subprocess.PIPE,
+                 env={**os.environ, "REDIS_URL": server.url})
+        out, err = up.communicate(timeout=120)
+        assert up.returncode == 2 and f"--key-prefix {prefix}: " in err and "already holds keys" in err, err
+        assert client.get(f"{prefix}:theirs") == b"1"
+        assert server.password not in out + err
+        client.close()
+    finally:
+        server.stop()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+
+import redis
 
 from pdserve.cluster import connect_sync
 from pdserve.cluster.keys import RedisKeys
@@ -35,6 +38,37 @@ def prefix_keys(url: str, prefix: str, timeout_s: float = 5.0) -> list[str]:
         return out
     finally:
         client.close()
+
+
+def prefix_in_use(url: str, prefix: str, timeout_s: float = 5.0) -> bool:
+    """Whether any key lives under `prefix`: SCAN stops at the first. Raises TimeoutError when
+    `timeout_s` passes with none found yet (a large Redis), so the caller can refuse rather than guess."""
+    client = connect_sync(url, 1.0)
+    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for keys in _pages(client, _pattern(prefix)):
+            if keys:
+                return True
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"looking for keys under {prefix!r} took over {timeout_s}s")
+        return False
+    finally:
+        client.close()
+
+
+def _pages(client: redis.Redis | redis.RedisCluster, match: str) -> Iterator[list[bytes]]:
+    """SCAN's pages, empty ones included, so a caller checks its deadline while none match. (A
+    cluster client walks its shards in scan_iter: a page is then one key.)"""
+    if isinstance(client, redis.RedisCluster):
+        yield from ([key] for key in client.scan_iter(match=match, count=SCAN_COUNT))
+        return
+    cursor = 0
+    while True:
+        cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT)
+        yield keys
+        if cursor == 0:
+            return
 
 
 def delete_prefix(url: str, prefix: str, timeout_s: float = 5.0) -> int:
