@@ -89,8 +89,9 @@ class Deployment:
         if s.router_cpus and not rest:
             raise ValueError(f"router_cpus {s.router_cpus!r} leaves no CPU for the store and the workers")
         elsewhere = ("--cpus", ",".join(map(str, rest))) if s.router_cpus else ()
-        common = ["--model", "tiny", "--block-size", str(s.block_size), "--redis-url", self.redis_url,
-                  "--key-prefix", self.key_prefix, "--engine", s.engine]
+        common = ["--model", "tiny", "--block-size", str(s.block_size), "--key-prefix", self.key_prefix,
+                  "--engine", s.engine]
+        env = {"PDSERVE_REDIS_URL": self.redis_url}  # (by environment: a flag would show its password in `ps`)
         cluster: list[str] = []
         if s.cluster_segment_tokens:
             self.master = MooncakeMaster().start()
@@ -102,7 +103,7 @@ class Deployment:
         stores = [self._add(ServiceProcess(
             "services.kvstore", *common, "--device-bytes", str(device * s.block_nbytes),
             "--dram-bytes", str((store_blocks - device) * s.block_nbytes), *cluster, *elsewhere,
-            *(("--node", f"node-{n}") if s.store_nodes > 1 else ()), name=f"kvstore-{n}"))
+            *(("--node", f"node-{n}") if s.store_nodes > 1 else ()), env=env, name=f"kvstore-{n}"))
             for n in range(s.store_nodes)]
         for store in stores:
             store.start()
@@ -117,7 +118,7 @@ class Deployment:
         workers = [self._add(ServiceProcess(f"services.{role}", *worker, "--num-blocks", pages,
                                             "--store", stores[i % len(stores)].address,
                                             *(("--cpus", placed[role, i]) if placed else elsewhere),
-                                            name=f"{role}-{i}"))
+                                            env=env, name=f"{role}-{i}"))
                    for role, n, pages in roles for i in range(n)]
         for w in workers:
             w.spawn()
@@ -130,7 +131,7 @@ class Deployment:
             router += ["--colocate-below-tokens", str(1 << 30)]
         if s.router_cpus:
             router += ["--cpus", s.router_cpus]
-        self.router = self._add(ServiceProcess("services.router", *common, *router))
+        self.router = self._add(ServiceProcess("services.router", *common, *router, env=env))
         self.router.start()
         self._wait_pool(len(workers))
 

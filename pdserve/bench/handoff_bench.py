@@ -49,11 +49,12 @@ def _prompt(n: int) -> list[int]:
 
 class Procs:
     def __init__(self, redis_url: str, prefix: str):
-        self.common = ["--redis-url", redis_url, "--key-prefix", prefix]
+        self.common = ["--key-prefix", prefix]
+        self.env = {"PDSERVE_REDIS_URL": redis_url}  # (by environment: a flag would show its password in `ps`)
         self.procs: list[ServiceProcess] = []
 
     def start(self, module: str, *flags: str) -> ServiceProcess:
-        p = ServiceProcess(module, "--model", "tiny", *self.common, *flags).start()
+        p = ServiceProcess(module, "--model", "tiny", *self.common, *flags, env=self.env).start()
         self.procs.append(p)
         return p
 

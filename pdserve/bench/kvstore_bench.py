@@ -202,7 +202,8 @@ def _start_store(name: str, profile: HashProfile, device_blocks: int, dram_block
         f"{lay.num_layers},{lay.num_kv_heads},{lay.block_size},{lay.head_dim},{lay.dtype}",
         "--model-fingerprint", profile.model_fingerprint,
         "--device-bytes", str(device_blocks * lay.block_nbytes), "--dram-bytes", str(dram_blocks * lay.block_nbytes),
-        "--redis-url", args.redis_url, "--key-prefix", f"pdbench-{os.getpid()}", name=f"kvstore-{name}").start()
+        "--key-prefix", f"pdbench-{os.getpid()}", env={"PDSERVE_REDIS_URL": args.redis_url},  # (not in `ps`)
+        name=f"kvstore-{name}").start()
 
 
 async def _full_store(profile: HashProfile, tokens: list[int], args, transfer: Transfer) -> list[dict]:
