@@ -60,3 +60,25 @@ def test_a_crashed_workers_record_lapses_though_request_look_ups_keep_failing(sh
 
     grace_s, still_there, took_s = asyncio.run(scenario())
     assert not still_there and took_s <= grace_s + 0.5
+
+
+def test_a_tombstone_written_without_the_token_does_not_take_a_worker_out(shared_redis_url, key_prefix):
+    """Someone who can write to Redis but lacks the service token writes a live worker's tombstone:
+    the router reads it as a missing record (the worker stays for its grace), and the worker's
+    next beat mends it. Only a tombstone signed as beats are takes a worker out at once (the
+    signed path: test_a_record_written_back_after_its_heartbeat_lapsed_gets_no_call)."""
+    from tests.faults.test_auth import FakeDecode, _with_a_live_worker
+
+    async def scenario(r, keys, reg, pool, _other) -> None:
+        await reg.beat()
+        await pool.refresh()
+        assert [w.worker_id for w in pool.usable("decode")] == [reg.worker_id]
+        r.delete(keys.worker(reg.worker_id))
+        r.hset(keys.worker(reg.worker_id), mapping={"left": str(time.time())})
+        await pool.refresh()
+        assert [w.worker_id for w in pool.usable("decode")] == [reg.worker_id]  # kept, for its grace
+        await reg.beat()
+        await pool.refresh()
+        assert pool.workers[reg.worker_id].missing_since is None
+
+    _with_a_live_worker(shared_redis_url, key_prefix, FakeDecode(), scenario)

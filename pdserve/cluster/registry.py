@@ -111,7 +111,11 @@ class Registration:
             pipe = await transaction(self.redis)
             key = self.keys.worker(self.worker_id)
             pipe.delete(key, self.keys.worker_index(self.worker_id))
-            pipe.hset(key, mapping={"left": str(time.time())})
+            now = str(time.time())
+            tombstone = {"left": now, "heartbeat": now, "ttl_ms": str(self.ttl_ms)}
+            if self.service_token:  # (signed like a beat: routers act on no other)
+                tombstone["sig"] = sign(self.service_token, self.worker_id, tombstone)
+            pipe.hset(key, mapping=tombstone)
             pipe.pexpire(key, self.ttl_ms)
             self._events.queue(pipe, reset=True)
             await pipe.execute()

@@ -6,7 +6,8 @@ a grace of one heartbeat TTL (the one its last record gave) counted from when th
 first seen missing or Redis last became readable again, whichever is later: Redis restarted
 empty, or stalled, takes no worker out of the pool, and a worker that lost its registration for
 good leaves when the grace ends (and Status with it). While Redis does not answer at all, the
-last known pool stands. A worker that leaves on purpose leaves a tombstone: out at once.
+last known pool stands. A worker that leaves on purpose leaves a tombstone, signed as its beats
+are: out at once (an unsigned or stale one counts as a missing record).
 
 A worker whose registration is not signed with the deployment's service token, or whose signed
 heartbeat has lapsed (an old record written back), or whose hash profile differs from the pool's,
@@ -168,12 +169,12 @@ class WorkerPool:
         self.redis_ok, self._registry_read, self._warned = True, True, False
         seen = set()
         for wid, rec in records:
-            if "left" in rec and wid in self.workers:  # a tombstone: it left on purpose
+            untrusted = signature_problem(self.service_token, wid, rec) if self.service_token else ""
+            if "left" in rec and wid in self.workers and not untrusted:  # a tombstone: it left on purpose
                 self._forget(wid, "left")
                 continue
-            if rec.get("role") not in ("prefill", "decode"):
+            if rec.get("role") not in ("prefill", "decode"):  # (a forged tombstone too: read as missing)
                 continue
-            untrusted = signature_problem(self.service_token, wid, rec) if self.service_token else ""
             view = self.workers.get(wid)
             if untrusted and view is not None and not view.refused_reason:
                 if view.missing_since is None:
