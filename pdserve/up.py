@@ -168,8 +168,8 @@ def say(msg: str) -> None:
 
 
 class Interrupted(BaseException):
-    """SIGINT/SIGTERM before the stack serves: raised from the handler, so a wait in startup (or
-    the demo) ends at once. A BaseException, like KeyboardInterrupt: no `except Exception` eats it."""
+    """SIGINT/SIGTERM before the stack serves: raised from the handler, so a wait in startup ends
+    at once. A BaseException, like KeyboardInterrupt: no `except Exception` eats it."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -178,7 +178,7 @@ class Interrupted(BaseException):
 
 def run(args: argparse.Namespace) -> int:
     stack = Stack(args)
-    serving = threading.Event()  # set, a signal no longer interrupts: it ends the serving loop
+    serving = threading.Event()  # set once the stack serves: a signal then stops it as the serving loop does (0)
     done = threading.Event()
 
     def on_signal(signum: int, _frame) -> None:
@@ -190,15 +190,15 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         address = stack.start()
+        serving.set()  # (a signal from here on, during the demo too, is a plain stop)
         print(f"router at {address}", flush=True)
         print(f"{auth.ENV_API_KEY}={os.environ[auth.ENV_API_KEY]}", flush=True)  # to paste into a shell
         if stack.http_port:
             print(f"OpenAI API at http://{dial_host(args.host)}:{stack.http_port}/v1", flush=True)
-        if args.demo_prompt:
+        if args.demo_prompt and not done.is_set():
             _demo(address, args.demo_prompt, args.demo_max_tokens)
         if not args.exit_after_demo:
             say("serving; Ctrl-C stops everything")
-            serving.set()
             return _serve(stack, done)
         return 0
     except Interrupted as e:
