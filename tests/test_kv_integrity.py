@@ -30,8 +30,9 @@ def test_a_writer_stalled_past_its_lease_never_gets_its_bytes_served(shared_redi
     """The writer allocates, stalls past its lease and the quarantine, its slots go to another
     put, then it resumes: its bytes land over the other put's committed blocks and its commit is
     refused. Readers find the damage by checksum: nothing wrong is ever returned, the bad blocks
-    are dropped (and counted), and what is put again reads back exact."""
-    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=1, lease_ms=1000, fence_ms=200)
+    are dropped (and counted), and what is put again reads back exact. (The store's own default
+    lease, 5 s, is the test's puts': the stale writer asks for 300 ms.)"""
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=1, lease_ms=5000, fence_ms=200)
     try:
         c = LocalClient(store.address)
         stale = spawn_peer("stale-put", store.address, "--seed", "50", "--n", "2", "--lease-ms", "300")
@@ -57,7 +58,7 @@ def test_a_writer_stalled_past_its_lease_never_gets_its_bytes_served(shared_redi
 
 
 def test_a_stalled_writer_inside_the_quarantine_lands_in_fenced_slots_only(shared_redis_url, key_prefix):
-    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=1, lease_ms=1000,
+    store = start_store(shared_redis_url, key_prefix, device_blocks=4, dram_blocks=1, lease_ms=5000,
                         fence_ms=60_000)
     try:
         c = LocalClient(store.address)
