@@ -174,6 +174,7 @@ def test_import_refuses_foreign_or_malformed_kv(tiny):
         "data shape": dataclasses.replace(kv, data=kv.data[:1]),
         "dtype": dataclasses.replace(kv, data=kv.data.to(torch.bfloat16)),
         "block hashes do not match": dataclasses.replace(kv, prompt_ids=tuple(prompt(20, salt=1))),
+        "outside the vocabulary": dataclasses.replace(kv, first_token=10**6),  # (refused after its pages)
     }
     for message, bad in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -351,3 +352,25 @@ def test_linear_weights_move_once_into_one_huge_page_buffer(reference):
     assert [m.weight.data_ptr() for m in linears] == where
     p = prompt(3 * B + 5)
     assert engine.generate([p], GREEDY)[0].token_ids == reference[len(p)]
+
+
+def test_an_evict_hook_that_raises_fails_no_step_and_leaks_no_page(tiny):
+    """The prefill offloader's hook runs as a cached page is reused for another block. When it
+    raised, the step failed inside schedule(), the failure named the previous step's requests,
+    and a prefix hit's ref and the evicted page were lost for good. A copy that fails is now a
+    later cache miss, nothing more."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first, second = [[(i * 7 + s) % 250 for i in range(40)] for s in (1, 2)]
+    want = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([second], params)[0].token_ids
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=4))
+    calls = []
+
+    def broken(page: int, block_hash) -> None:
+        calls.append(page)
+        raise RuntimeError("staging copy failed")
+
+    engine.scheduler.pool.on_evict = broken
+    engine.generate([first], params)  # its two full blocks stay cached, evictable
+    assert engine.scheduler.pool.num_cached_blocks == 2
+    assert engine.generate([second], params)[0].token_ids == want  # needs one of those two pages
+    assert len(calls) == 1 and engine.scheduler.pool.num_free_blocks == 4

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from pdserve import logs
 from pdserve.kv.hashing import BlockHash
+
+log = logs.get("engine.block_pool")
 
 
 class BlockPool:
@@ -55,7 +58,10 @@ class BlockPool:
                 block_hash = self._block_hash.pop(block_id)
                 del self._hash_to_block[block_hash]
                 if self.on_evict is not None:
-                    self.on_evict(block_id, block_hash)
+                    try:
+                        self.on_evict(block_id, block_hash)
+                    except Exception:  # noqa: BLE001 - a copy lost is a later cache miss, never a failed step
+                        log.exception("evicted page's on_evict hook failed: its block is not kept", page=block_id)
             self.ref_counts[block_id] = 1
             out.append(block_id)
         return out

@@ -108,6 +108,7 @@ class LLMEngine:
         self.scheduler.add(self._new_sequence(request_id, prompt_ids, params))
 
     def step(self) -> list[TokenEvent]:
+        self.last_batch = []  # (a schedule that raises has run no one: no earlier step's batch is named)
         output = self.scheduler.schedule()
         self.last_batch = [c.seq.request_id for c in output.chunks]  # what a step that raises was running
         if not output.chunks:
@@ -190,9 +191,13 @@ class LLMEngine:
         if list(kv.block_hashes) != block_hashes(kv.prompt_ids, self.profile):
             raise ValueError("KV import refused: block hashes do not match the prompt tokens")
         reservation = self.reserve(rid, kv.prompt_ids, params)
-        start = reservation.num_cached_blocks
-        self.kv_cache.write_blocks(reservation.block_table[start : expected[0]], kv.data[start:])
-        return self.activate(rid, kv.first_token, kv.first_logprob)
+        try:
+            start = reservation.num_cached_blocks
+            self.kv_cache.write_blocks(reservation.block_table[start : expected[0]], kv.data[start:])
+            return self.activate(rid, kv.first_token, kv.first_logprob)
+        except BaseException:
+            self.abort(rid)  # (a first token activate refuses: its pages and its id go back)
+            raise
 
     # -- handoff in steps (the workers fill pages straight from the store) -------------------
     def reserve(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> Reservation:
