@@ -84,10 +84,14 @@ def test_decode_steps_run_their_layers_in_one_call_with_the_layer_by_layer_bits(
 
 def test_a_tiny_temperature_draws_the_top_token_not_nan():
     """Any temperature in (0, 100] is valid; at 1e-38 the top logit divided by it overflowed to
-    inf, softmax gave NaN, the draw raised and every request in the step failed with it."""
+    inf, softmax gave NaN, the draw raised and every request in the step failed with it. Below
+    float32's smallest subnormal (1e-46, 5e-324) the temperature itself became 0 (0/0: NaN), and a
+    top_p as small made every token dropped."""
     from pdserve.engine.sampling import sample
 
-    logits = torch.randn(3, 258)
-    params = [SamplingParams(temperature=t, seed=1) for t in (1e-38, 1e-45)] + [GREEDY]
-    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1), None])
+    temps = (1e-38, 1e-45, 1e-46, 5e-324)
+    params = [SamplingParams(temperature=t, seed=1) for t in temps]
+    params += [SamplingParams(temperature=1.0, top_p=1e-300, seed=1), GREEDY]
+    logits = torch.randn(len(params), 258)
+    tokens, _ = sample(logits, params, [torch.Generator().manual_seed(1) for _ in params[:-1]] + [None])
     assert tokens == logits.max(dim=-1).indices.tolist()

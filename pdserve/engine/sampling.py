@@ -46,7 +46,11 @@ def _argmax_logz(logits: torch.Tensor) -> tuple[list[int], list[float], list[flo
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     # Shifted so the top logit is 0 before dividing: a tiny temperature (1e-38 is valid) then sends
-    # the others to -inf, where dividing the logits themselves made the top one inf, then NaN.
+    # the others to -inf, where dividing the logits themselves made the top one inf, then NaN. One
+    # below the logits' smallest normal (float32 holds 1e-46 as 0: the top would be 0/0) samples
+    # the top, as any temperature that small does anyway.
+    if p.temperature < torch.finfo(logits.dtype).tiny:
+        return int(logits.argmax())
     scaled = (logits - logits.max()) / p.temperature
     if p.top_k:
         kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
@@ -56,6 +60,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         # Drop tokens once the mass before them already reaches top_p (the first always stays).
         drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        drop[0] = False  # (a top_p float32 holds as 0 would drop even the first)
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
     if gen is not None and gen.device != probs.device:
