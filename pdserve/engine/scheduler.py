@@ -149,6 +149,11 @@ class Scheduler:
             if not seq.is_prefilling and budget > 0:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1, True))
                 budget -= 1
+        if budget == 0 and len(chunks) < sum(not seq.is_prefilling for seq in self.running):
+            # More decodes than a step's tokens: those stepped now go last, so every one gets its
+            # turn (the first ones would otherwise take every step).
+            stepped = {id(c.seq) for c in chunks}
+            self.running = [q for q in self.running if id(q) not in stepped] + [c.seq for c in chunks]
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
                 chunks.append(self._prefill_chunk(seq, budget))
