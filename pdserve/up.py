@@ -112,8 +112,9 @@ class Stack:
         self.router.start()
         if a.http_port >= 0:
             self.http_port = int(open(http_port_file).read())
-        self._wait_for_pool()
-        return f"{dial_host(a.host)}:{self.router.port}"
+        address = f"{dial_host(a.host)}:{self.router.port}"
+        self._wait_for_pool(address)
+        return address
 
     @staticmethod
     def _prefix_in_use(url: str, prefix: str) -> bool:
@@ -126,11 +127,11 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def _wait_for_pool(self, timeout_s: float = 60) -> None:
+    def _wait_for_pool(self, address: str, timeout_s: float = 60) -> None:
         from pdserve.client import Client
 
         want = self.args.prefill + self.args.decode
-        with Client(f"{dial_host(self.args.host)}:{self.router.port}") as c:
+        with Client(address) as c:
             deadline = time.time() + timeout_s
             while True:
                 healthy = sum(1 for w in c.status().workers if w.healthy)
