@@ -62,12 +62,15 @@ def test_a_prefill_lost_after_the_first_token_is_migrated_and_the_stream_is_exac
         assert "prefill failed mid-stream: migrating the request to another prefill worker" in stack.router.log()
 
         async def audit():
+            # The survivor's stream ends just after its HandoffDone is sent, which can be after
+            # decode's last token: both sides are polled.
             for _ in range(50):
                 ld = await load(stack.decodes[0].address, "decode")
-                if ld.free_kv_blocks == ld.total_kv_blocks and not ld.running_requests:
+                lp = await load(survivor.address, "prefill")
+                if ld.free_kv_blocks == ld.total_kv_blocks and not ld.running_requests and not lp.inflight_requests:
                     break
                 await asyncio.sleep(0.1)
-            return ld, await load(survivor.address, "prefill")
+            return ld, lp
 
         d, p = asyncio.run(audit())
         assert (d.running_requests, d.free_kv_blocks, p.inflight_requests) == (0, d.total_kv_blocks, 0)
