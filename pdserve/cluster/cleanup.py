@@ -24,72 +24,42 @@ def _pattern(prefix: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + ":*"
 
 
-def prefix_keys(url: str, prefix: str, timeout_s: float = 5.0) -> list[str]:
-    """Every key under `prefix`, within `timeout_s` (raises TimeoutError past it)."""
+def _pages(url: str, prefix: str, timeout_s: float, doing: str) -> Iterator[tuple[redis.Redis, list[bytes]]]:
+    """(client, one SCAN page of the keys under `prefix`), empty pages included, so the deadline
+    is checked while none match; raises TimeoutError once `timeout_s` has passed. On a cluster
+    every key under a prefix carries it as a hash tag, so one slot and one node hold them all:
+    only that node is walked (and `client` is the node's own connection)."""
     client = connect_sync(url, 1.0)
-    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
-    deadline = time.monotonic() + timeout_s
+    prefix = RedisKeys.for_url(url, prefix).prefix
+    match, deadline = _pattern(prefix), time.monotonic() + timeout_s
     try:
-        out = []
-        for key in client.scan_iter(match=_pattern(prefix), count=SCAN_COUNT):
-            out.append(key.decode())
+        target = client
+        if isinstance(client, redis.RedisCluster):
+            target = client.get_node_from_key(prefix).redis_connection
+        cursor = 0
+        while True:
+            cursor, keys = target.scan(cursor, match=match, count=SCAN_COUNT)
+            yield target, keys
+            if cursor == 0:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"listing the keys under {prefix!r} took over {timeout_s}s")
-        return out
+                raise TimeoutError(f"{doing} the keys under {prefix!r} took over {timeout_s}s")
     finally:
         client.close()
+
+
+def prefix_keys(url: str, prefix: str, timeout_s: float = 5.0) -> list[str]:
+    """Every key under `prefix`, within `timeout_s` (raises TimeoutError past it)."""
+    return [key.decode() for _, keys in _pages(url, prefix, timeout_s, "listing") for key in keys]
 
 
 def prefix_in_use(url: str, prefix: str, timeout_s: float = 5.0) -> bool:
     """Whether any key lives under `prefix`: SCAN stops at the first. Raises TimeoutError when
     `timeout_s` passes with none found yet (a large Redis), so the caller can refuse rather than guess."""
-    client = connect_sync(url, 1.0)
-    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
-    deadline = time.monotonic() + timeout_s
-    try:
-        for keys in _pages(client, _pattern(prefix)):
-            if keys:
-                return True
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"looking for keys under {prefix!r} took over {timeout_s}s")
-        return False
-    finally:
-        client.close()
-
-
-def _pages(client: redis.Redis | redis.RedisCluster, match: str) -> Iterator[list[bytes]]:
-    """SCAN's pages, empty ones included, so a caller checks its deadline while none match. (A
-    cluster client walks its shards in scan_iter: a page is then one key.)"""
-    if isinstance(client, redis.RedisCluster):
-        yield from ([key] for key in client.scan_iter(match=match, count=SCAN_COUNT))
-        return
-    cursor = 0
-    while True:
-        cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT)
-        yield keys
-        if cursor == 0:
-            return
+    return any(keys for _, keys in _pages(url, prefix, timeout_s, "looking for"))
 
 
 def delete_prefix(url: str, prefix: str, timeout_s: float = 5.0) -> int:
-    """Deletes every key under `prefix` (UNLINK, in SCAN-sized batches); returns how many. Stops
+    """Deletes every key under `prefix` (UNLINK, a SCAN page at a time); returns how many. Stops
     at `timeout_s`, raising TimeoutError, or on what Redis raises when it cannot be reached."""
-    client = connect_sync(url, 1.0)
-    prefix = RedisKeys.for_url(url, prefix).prefix  # (a cluster's keys carry it as a hash tag)
-    deadline = time.monotonic() + timeout_s
-    deleted = 0
-    batch: list[bytes] = []
-    try:
-        # (One slot on a cluster, so one UNLINK may take many: scan_iter walks every shard.)
-        for key in client.scan_iter(match=_pattern(prefix), count=SCAN_COUNT):
-            batch.append(key)
-            if len(batch) >= SCAN_COUNT:
-                deleted += client.unlink(*batch)
-                batch = []
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"deleting the keys under {prefix!r} took over {timeout_s}s")
-        if batch:
-            deleted += client.unlink(*batch)
-        return deleted
-    finally:
-        client.close()
+    return sum(client.unlink(*keys) for client, keys in _pages(url, prefix, timeout_s, "deleting") if keys)
