@@ -3,13 +3,17 @@ is touched: what the gRPC servicer and the HTTP API both call."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from pdserve.engine.sampling import SamplingParams
-from pdserve.errors import InvalidArgument
+from pdserve.errors import AlreadyExists, InvalidArgument
 from pdserve.model.tokenizer import Tokenizer
 from services.router.config import RouterConfig
 from services.router.prompt_encoder import PromptEncoder
 
 MAX_REQUEST_ID = 128
+CLAIM_WAIT_S = 0.1  # how long a request waits for its id to be let go before it is refused ALREADY_EXISTS
 
 
 def check_request_id(request_id: str) -> None:
@@ -18,6 +22,41 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID or not all(" " < c < "~" for c in request_id):
         raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID} printable ASCII characters without "
                               f"spaces or '~', got {request_id[:40]!r}")
+
+
+class RequestIds:
+    """Owns the ids of the requests in flight at this router: a second request under one is
+    refused. An id is free again as soon as its client is gone, while its request may still be
+    cleaning up: each attempt has a name of its own on the workers and in the store, so a request
+    sent again at once under the same id never meets the first one's cleanup."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, asyncio.Event] = {}  # request id -> its claim, set once let go
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    async def claim(self, request_id: str) -> Callable[[], None]:
+        """Hold `request_id`; returns what lets it go (idempotent: once let go, a later claim of
+        the same id is another's, and is left alone). An id still held is waited for a moment
+        (CLAIM_WAIT_S): a client that cancels and at once sends again may be here before
+        its cancel is."""
+        held = self._live.get(request_id)
+        if held is not None:
+            try:
+                await asyncio.wait_for(held.wait(), CLAIM_WAIT_S)
+            except TimeoutError:
+                pass
+            if request_id in self._live:
+                raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
+        me = self._live[request_id] = asyncio.Event()
+
+        def release() -> None:
+            if self._live.get(request_id) is me:
+                del self._live[request_id]
+            me.set()
+
+        return release
 
 
 class RequestLimits:

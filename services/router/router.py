@@ -17,7 +17,7 @@ from pdserve.cluster import REDIS_DOWN, Redis
 from pdserve.cluster.index_mirror import IndexMirror
 from pdserve.cluster.prefix_index import PrefixHits, PrefixIndex
 from pdserve.engine.sampling import SamplingParams
-from pdserve.errors import AlreadyExists, ResourceExhausted, status_for
+from pdserve.errors import ResourceExhausted, status_for
 from pdserve.kv.hashing import block_hashes
 from pdserve.kv.layout import HashProfile
 from pdserve.model.tokenizer import TextStream, Tokenizer
@@ -27,7 +27,7 @@ from pdserve.v1 import common_pb2
 from services.router.admission import AdmissionQueue, NoRoom, NoWorkers
 from services.router.config import RouterConfig
 from services.router.dispatch import DecodeAdmitted, DispatchError, Finished, FirstFromPrefill, colocated, disaggregated
-from services.router.limits import RequestLimits
+from services.router.limits import RequestIds, RequestLimits
 from services.router.metrics import Metrics
 from services.router.policy import Coefficients, DecodeCandidate, Policy, PrefillCandidate, PrefillCost, over_slo
 from services.router.recent import RecentRoutes
@@ -43,14 +43,13 @@ class Router:
     """Stateless apart from caches: the pool view, learned coefficients, the round-robin cursor."""
 
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer, profile: HashProfile, max_model_len: int,
-                 vocab_size: int, redis: Redis, pool: WorkerPool, metrics: Metrics,
-                 mirror: IndexMirror | None = None):
+                 vocab_size: int, redis: Redis, pool: WorkerPool, metrics: Metrics, mirror: IndexMirror | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.profile = profile
         self.profile_pb = profile_to_pb(profile)
         self.limits = RequestLimits(cfg, tokenizer, max_model_len, vocab_size)
-        self.active: set[str] = set()  # request ids in flight here (a duplicate is refused)
+        self.active = RequestIds()
         self.admission = AdmissionQueue(cfg.max_queued, cfg.queue_timeout_s, metrics)
         self.index = PrefixIndex(redis, pool.keys)
         self.mirror = mirror  # the index in memory, when kept; Redis is asked while it is not live
@@ -166,14 +165,15 @@ class Router:
     # -- one request -----------------------------------------------------------------------
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        client_deadline_s: float | None = None, stop: tuple[str, ...] = (),
-                       waited_ms: float | None = None) -> AsyncIterator[TokenOut | Summary]:
+                       waited_ms: float | None = None, on_client_gone=None) -> AsyncIterator[TokenOut | Summary]:
         """`client_deadline_s`: the seconds the client's own deadline leaves (None: it set none).
         `waited_ms`: how long the call waited before it reached this method (its TTFT SLO counts it;
-        None: not known). `stop`: strings that end the request (finish STOP), never part of its text."""
+        None: not known). `stop`: strings that end the request (finish STOP), never part of its text;
+        `on_client_gone(f)`: calls f as the client goes (its id is then free, cleanup or not)."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.active:
-            raise AlreadyExists(f"request {request_id!r} is already in flight: give each request its own id")
-        self.active.add(request_id)
+        release = await self.active.claim(request_id)
+        if on_client_gone is not None:
+            on_client_gone(release)
         summary, status, t0 = None, "OK", time.perf_counter()
         if waited_ms is not None:
             self.metrics.observe("before_handler_ms", waited_ms)
@@ -193,7 +193,7 @@ class Router:
                 self.metrics.observe("refusal_ms", (time.perf_counter() - t0) * 1e3)
             raise
         finally:
-            self.active.discard(request_id)
+            release()
             log_request(log, request_id, len(ids), summary, status)
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams, timeout_s: float,

@@ -60,8 +60,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _generate(self, request, context):
         waited_ms = waited_before_handler_ms(context)  # first: what follows is the handler's own time
         ids, params = await self._request(request)
+        # The call's end (a cancel included) frees its id before its cleanup has run.
+        gone = lambda release: context.add_done_callback(lambda _: release())  # noqa: E731
         async for item in self.router.generate(request.request_id, ids, params, context.time_remaining(),
-                                               waited_ms=waited_ms):
+                                               waited_ms=waited_ms, on_client_gone=gone):
             yield item
 
     async def Generate(self, request, context):

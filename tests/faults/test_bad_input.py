@@ -208,7 +208,8 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(stack, eng
 
     def stream():
         with Client(stack.router.address) as c:
-            for ev in c.stream(ids(25, 4), request_id=rid, max_tokens=80, ignore_eos=True):
+            # (long enough to outlast the moment a request waits for its id: ALREADY_EXISTS then)
+            for ev in c.stream(ids(25, 4), request_id=rid, max_tokens=400, ignore_eos=True):
                 first.append(ev.token_id)
                 started.set()
 
@@ -220,7 +221,7 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(stack, eng
     t.join(60)
     assert cls is errors.AlreadyExists and "already in flight" in msg and seconds < 1.0
     print(f"\nFAULT duplicate request_id: ALREADY_EXISTS in {seconds * 1e3:.0f} ms, first request exact")
-    assert first == expected(engine, ids(25, 4), 80)
+    assert first == expected(engine, ids(25, 4), 400)
     with Client(stack.router.address) as c:  # the id is free again once the first has ended
         assert c.generate(ids(25, 5), request_id=rid, max_tokens=4, ignore_eos=True).token_ids == expected(
             engine, ids(25, 5), 4)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from pdserve.client import AsyncClient, Client
-from pdserve.errors import AlreadyExists, PdserveError
+from pdserve.errors import PdserveError
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from tests.support.stack import SETTLED, routed_stack, settled, stubs
 
@@ -100,11 +100,12 @@ def test_a_workers_cancel_rpc_ends_its_stream_at_once(stack):
 
 
 def test_an_id_reused_right_after_a_cancel_gets_exact_tokens(stack, tiny):
-    """A client that gives up on a request and at once sends it again under the same id meets no
-    trace of the first on the workers (they were still cleaning it up: before each attempt was
-    named uniquely there, 22 of 30 such retries failed INVALID_ARGUMENT 'already being
-    prefilled here'). The router itself may still have the first in flight for a moment: that is
-    ALREADY_EXISTS, and a retry after it succeeds."""
+    """A client that gives up on a request and at once sends it again under the same id gets
+    exact tokens. The workers were still cleaning the first up: before each attempt was named
+    uniquely there, 22 of 30 such resends failed INVALID_ARGUMENT 'already being prefilled here'.
+    The router let the id go only once its own cleanup had run, and a resend failed
+    ALREADY_EXISTS in 1 of 3 runs of this test. It now lets it go as the call ends, and a resend
+    that arrives before the cancel waits a moment for it."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling import SamplingParams
@@ -121,14 +122,10 @@ def test_an_id_reused_right_after_a_cancel_gets_exact_tokens(stack, tiny):
         await asyncio.sleep(0.005 * (n % 10))  # given up at a moment of prefill, handoff or decode
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
-        for _ in range(20):
-            try:
-                return (await c.generate(prompt, request_id=f"reuse-{n}", max_tokens=8, ignore_eos=True)).token_ids
-            except AlreadyExists:
-                await asyncio.sleep(0.05)
-            except PdserveError as e:
-                return str(e)
-        return "ALREADY_EXISTS 20 times"
+        try:
+            return (await c.generate(prompt, request_id=f"reuse-{n}", max_tokens=8, ignore_eos=True)).token_ids
+        except PdserveError as e:
+            return f"{type(e).__name__}: {e}"
 
     async def run():
         async with AsyncClient(stack.router.address) as c:
