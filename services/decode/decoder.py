@@ -187,6 +187,9 @@ class Decoder:
             while True:
                 if first_at is None and entry.first.done():
                     first_at = time.perf_counter()
+                    # Checked at once: another prompt's blocks never come, and the wait would last the deadline.
+                    if list(entry.first.result().block_hashes) != list(res.prompt_hashes):
+                        raise InvalidArgument("prefill's block hashes do not match this request's prompt")
                 if pull.done() and entry.first.done():
                     break
                 # Woken by either, or when silence would pass the bound (any progress moves it).
@@ -207,10 +210,7 @@ class Decoder:
             hold = entry.first.result().hold_lease_id if entry.first.done() else ""
             if hold:
                 self.w.store.release_soon(hold)  # pulled, or never will be
-        first: FirstToken = entry.first.result()
-        if list(first.block_hashes) != list(res.prompt_hashes):
-            raise InvalidArgument("prefill's block hashes do not match this request's prompt")
-        return first, (time.perf_counter() - first_at) * 1e3 if first_at is not None else 0.0
+        return entry.first.result(), (time.perf_counter() - first_at) * 1e3 if first_at is not None else 0.0
 
     async def _pull(self, rid: str, keys: list[bytes], tail_key: str, pages: list[int], entry: InFlight) -> None:
         if not pages:

@@ -235,3 +235,33 @@ def test_a_request_id_the_router_could_confuse_is_refused(stack, rid):
     with Client(stack.router.address) as c:
         cls, msg, seconds = _refused(lambda: c.generate(ids(10, 6), request_id=rid, max_tokens=2))
     assert cls is errors.InvalidArgument and "request_id must be" in msg and seconds < 1.0
+
+
+def test_a_first_token_for_another_prompt_fails_its_decode_at_once(stack, engine):
+    """A handoff whose block hashes are another prompt's (a prefill with other weights, say): its
+    blocks never come, so decode refuses it when the first token arrives, not at the end of the
+    call's deadline (what a router gives: it waited that long, then said "prefill went silent"),
+    and lets the handoff's hold go."""
+    prof = profile_to_pb(engine.profile)
+    samp = common_pb2.SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def go():
+        pch, prefill = stubs(stack.prefills[0].address, "prefill")
+        dch, decode = stubs(stack.decodes[0].address, "decode")
+        async with pch, dch:
+            other = await prefill_whole(prefill, prefill_pb2.PrefillRequest(
+                request_id="mm", prompt_token_ids=ids(40, 7), sampling=samp, profile=prof), timeout=30)
+            call = decode.Generate(decode_pb2.DecodeRequest(
+                request_id="mm", prompt_token_ids=ids(40, 8), sampling=samp, profile=prof,
+                mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=8)
+            assert (await call.read()).HasField("admitted")
+            t0 = time.perf_counter()
+            await decode.FirstToken(decode_pb2.FirstTokenRequest(request_id="mm", prefill=other), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            return other.kv_hold_lease_id, err.value.code(), err.value.details(), time.perf_counter() - t0
+
+    hold, code, msg, seconds = asyncio.run(go())
+    assert hold and code == grpc.StatusCode.INVALID_ARGUMENT and seconds < 2.0, (code, msg, seconds)
+    assert msg == "prefill's block hashes do not match this request's prompt"
+    _healthy_and_clean(stack, engine)
