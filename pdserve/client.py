@@ -154,7 +154,11 @@ def _generate_options(timeout_s: float, metadata: tuple[tuple[str, str], ...]) -
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    key = os.environ.get(ENV_API_KEY, "") if api_key is None else api_key
+    """The key stripped, as the services strip theirs (a key read from a file ends in a newline,
+    which gRPC would refuse on every call as INTERNAL 'Invalid metadata')."""
+    key = (os.environ.get(ENV_API_KEY, "") if api_key is None else api_key).strip()
+    if not (key.isascii() and key.isprintable()):
+        raise _invalid("the API key must be printable ASCII")
     return (("authorization", f"Bearer {key}"),) if key else ()
 
 
@@ -168,10 +172,10 @@ class Client:
     def __init__(self, target: str, timeout_s: float = 120.0, api_key: str | None = None,
                  ca_path: str | None = None):
         self.timeout_s = timeout_s
+        self._metadata = _metadata(api_key)  # (checked before a channel is made)
         tls = _tls(ca_path)
         self._channel = grpc.secure_channel(target, tls) if tls else grpc.insecure_channel(target)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._metadata = _metadata(api_key)
 
     def __enter__(self) -> Client:
         return self
@@ -228,10 +232,10 @@ class AsyncClient:
     def __init__(self, target: str, timeout_s: float = 120.0, api_key: str | None = None,
                  ca_path: str | None = None):
         self.timeout_s = timeout_s
+        self._metadata = _metadata(api_key)  # (checked before a channel is made)
         tls = _tls(ca_path)
         self._channel = grpc.aio.secure_channel(target, tls) if tls else grpc.aio.insecure_channel(target)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._metadata = _metadata(api_key)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -68,3 +68,11 @@ def test_each_status_maps_to_the_same_error_whatever_was_imported_first():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["pdserve.errors PdserveError INTERNAL: boom",
                                        "pdserve.errors Unavailable UNAVAILABLE: boom"]
+
+
+def test_an_api_key_no_header_can_carry_is_invalid_argument_at_once():
+    for key in ("ab\ncd", "clé"):
+        with pytest.raises(errors.InvalidArgument, match="the API key must be printable ASCII"):
+            Client("127.0.0.1:1", api_key=key)
+        with pytest.raises(errors.InvalidArgument, match="the API key must be printable ASCII"):
+            AsyncClient("127.0.0.1:1", api_key=key)

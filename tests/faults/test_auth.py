@@ -133,6 +133,10 @@ def test_clients_need_a_known_api_key(stack):
         assert len(c.status().workers) == 2
     with Client(stack.router.address) as c:  # the key from PDSERVE_API_KEY
         assert len(c.generate(PROMPT, max_tokens=2, ignore_eos=True).token_ids) == 2
+    # Read from a file, as the services read theirs (stripped): the same key, not INTERNAL 'Invalid metadata'.
+    with Client(stack.router.address, api_key=f" {API_KEY}\n") as c:
+        assert len(c.generate(PROMPT, max_tokens=2, ignore_eos=True).token_ids) == 2
+        assert len(list(c.stream(PROMPT, max_tokens=2, ignore_eos=True))) == 2
 
 
 class FakeDecode(grpc.ServerInterceptor):
