@@ -210,7 +210,28 @@ def test_a_handoff_no_decode_waits_for_lets_its_hold_go(shared_redis_url, key_pr
                 await asyncio.sleep(0.02)
             raise AssertionError("the late FirstToken did not end")
 
+    async def refused_first_token():
+        pch, p = stubs(s.prefills[0].address, "prefill")
+        dch, d = stubs(s.decodes[0].address, "decode")
+        async with pch, dch:
+            ids = prompt(4 * B + 3, salt=79)
+            call = d.Generate(decode_pb2.DecodeRequest(request_id="nan", prompt_token_ids=ids, sampling=sampling(),
+                                                       mode=decode_pb2.DECODE_MODE_DISAGGREGATED), timeout=30)
+            assert (await call.read()).HasField("admitted")
+            first = await prefill_whole(p, prefill_pb2.PrefillRequest(
+                request_id="nan", prompt_token_ids=ids, sampling=sampling()), timeout=30)
+            bad = prefill_pb2.PrefillResponse()
+            bad.CopyFrom(first)
+            bad.first_token.logprob = float("nan")  # (a model that overflowed, say)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.FirstToken(decode_pb2.FirstTokenRequest(request_id="nan", prefill=bad), timeout=5)
+            call.cancel()  # (the router fails the request)
+            return first.kv_hold_lease_id, e.value.code()
+
     try:
+        hold, code = run(refused_first_token())  # refused: no decode will pull its blocks
+        assert hold and code == grpc.StatusCode.INVALID_ARGUMENT
+        assert held() == (0, 0)
         hold, before, code = run(orphan_first_token())
         assert hold and before == 1 and code == grpc.StatusCode.NOT_FOUND
         assert held() == (0, 0)

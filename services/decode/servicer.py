@@ -43,13 +43,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not request.request_id or request.request_id != p.request_id:
             raise InvalidArgument("FirstToken: request_id must be set and match the prefill response")
         vocab = self.w.model.config.vocab_size
-        if not 0 <= p.first_token.token_id < vocab or not math.isfinite(p.first_token.logprob):
-            raise InvalidArgument(f"FirstToken: token {p.first_token.token_id} must be in [0, {vocab}) with a finite "
-                                  f"logprob (got {p.first_token.logprob})")
         first = FirstToken(p.first_token.token_id, p.first_token.logprob, list(p.block_hashes), p.kv_hold_lease_id)
         try:
+            if not 0 <= first.token_id < vocab or not math.isfinite(first.logprob):
+                raise InvalidArgument(f"FirstToken: token {first.token_id} must be in [0, {vocab}) with a finite "
+                                      f"logprob (got {first.logprob})")
             self.decoder.deliver_first_token(request.request_id, first)
-        except NotFound:
+        except (InvalidArgument, NotFound):  # refused, or no request of it here
             if first.hold_lease_id:  # nobody here will pull those blocks: let the store have them back
                 self.w.store.release_soon(first.hold_lease_id)
             if p.tail_key:  # and the tail, read by no one (it would sit pinned for its TTL)
