@@ -360,12 +360,13 @@ def test_decode_reuses_its_own_prefix_cache_and_colocated_mode(stack, engine):
     events = run(colocated("colo"))
     assert events[0].HasField("admitted") and events[-1].HasField("done")
     assert [e.token.token_id for e in events if e.HasField("token")] == expected(engine, prompt(77, salt=5))
-    assert events[-1].done.usage.completion_tokens == 8
+    assert events[-1].done.usage.completion_tokens == 8 and events[-1].done.usage.cached_tokens_local == 0
     # Three tokens to a message: the first alone (at once), the last closing its message.
     events = run(colocated("colo-3", stream_interval=3))
     assert [[t.index for t in events_of(e)] for e in events[1:-1]] == [[0], [1, 2, 3], [4, 5, 6], [7]]
     assert [t.token_id for e in events for t in events_of(e)] == expected(engine, prompt(77, salt=5))
     assert events[0].HasField("admitted") and events[-1].done.usage.completion_tokens == 8
+    assert events[-1].done.usage.cached_tokens_local == 64  # the same prompt: its 4 full blocks reused
     assert_clean(stack)
 
 

@@ -353,3 +353,19 @@ def test_prometheus_metrics_endpoint(shared_redis_url, key_prefix):
             assert idle.recv(1) == b"" and time.monotonic() - t0 < 8
     finally:
         s.stop()
+
+
+def test_with_no_prefill_worker_a_request_runs_on_decode_alone_and_counts_its_cache(shared_redis_url, engine):
+    """No prefill worker: the router sends each request to a decode worker alone (it prefills
+    too). Its usage counts what decode's own cache held: the same prompt again reuses its 4 full
+    blocks (it was reported as all computed)."""
+    s = routed_stack(shared_redis_url, 0, 1)
+    try:
+        prompt = ids(77, 9)
+        with Client(s.router.address) as c:
+            runs = [c.generate(prompt, max_tokens=10, ignore_eos=True) for _ in range(2)]
+        assert [r.token_ids for r in runs] == [expected(engine, prompt)] * 2
+        assert all(r.route["colocated"] and r.route["decode"] == s.decodes[0].address for r in runs)
+        assert [(r.usage["cached_tokens_local"], r.usage["computed_tokens"]) for r in runs] == [(0, 77), (64, 13)]
+    finally:
+        s.stop()

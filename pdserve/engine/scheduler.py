@@ -196,7 +196,9 @@ class Scheduler:
             self.running.remove(seq)
         elif reason is not None:
             self._finish(seq, reason)
-        return TokenEvent(seq.request_id, token, logprob, len(seq.output_ids) - 1, reason, prefill_done)
+        index = len(seq.output_ids) - 1
+        return TokenEvent(seq.request_id, token, logprob, index, reason, prefill_done,
+                          seq.num_cached_tokens if index == 0 else 0)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):

@@ -35,6 +35,7 @@ class TokenEvent:
     index: int  # position in the output (0 = first token)
     finish_reason: FinishReason | None
     prefill_done: bool = False  # prefill role: the prompt's KV is complete and held for export
+    cached_tokens: int = 0  # the first token's: prompt tokens reused from the prefix cache
 
 
 class Sequence:

@@ -140,6 +140,8 @@ class Decoder:
                     item = ahead.pop() if ahead else next_event(await stream.get())
                     if isinstance(item, Progress):
                         continue
+                    if req.colocated and item.index == 0:  # (what its prefill here reused)
+                        cached_local = min(item.cached_tokens, len(req.prompt_ids) - 1)
                     piece = text.push(item.token_id)
                     if item.finish_reason is not None:
                         piece += text.flush()

@@ -209,14 +209,16 @@ async def _next(decode_call, handoff: asyncio.Future):
 
 async def colocated(decode: decode_pb2_grpc.DecodeStub, request_id: str, prompt_ids: list[int],
                     sampling: common_pb2.SamplingParams, profile: common_pb2.HashProfile | None, timeout_s: float,
-                    stream_interval: int = 1) -> AsyncIterator[common_pb2.TokenEvent]:
-    """One request on a decode worker alone (it prefills too): its tokens, index 0 first."""
+                    stream_interval: int = 1) -> AsyncIterator[common_pb2.TokenEvent | Finished]:
+    """One request on a decode worker alone (it prefills too): its tokens, index 0 first, then
+    `Finished` (its usage: the prompt tokens decode's own cache held)."""
     call = decode.Generate(decode_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, profile=profile,
         mode=decode_pb2.DECODE_MODE_COLOCATED, stream_interval=stream_interval), timeout=timeout_s)
     try:
         while (event := await call.read()) is not grpc.aio.EOF:
             if event.HasField("done"):
+                yield Finished(event.done, None, common_pb2.Timings())
                 return
             for token in events_of(event):
                 yield token

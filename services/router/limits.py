@@ -36,11 +36,11 @@ class RequestIds:
     def __len__(self) -> int:
         return len(self._live)
 
-    async def claim(self, request_id: str) -> Callable[[], None]:
+    async def claim(self, request_id: str, on_client_gone=None) -> Callable[[], None]:
         """Hold `request_id`; returns what lets it go (idempotent: once let go, a later claim of
-        the same id is another's, and is left alone). An id still held is waited for a moment
-        (CLAIM_WAIT_S): a client that cancels and at once sends again may be here before
-        its cancel is."""
+        the same id is another's, and is left alone), also handed to `on_client_gone`, which
+        calls it as the client goes. An id still held is waited for a moment (CLAIM_WAIT_S): a
+        client that cancels and at once sends again may be here before its cancel is."""
         held = self._live.get(request_id)
         if held is not None:
             try:
@@ -56,6 +56,8 @@ class RequestIds:
                 del self._live[request_id]
             me.set()
 
+        if on_client_gone is not None:
+            on_client_gone(release)
         return release
 
 

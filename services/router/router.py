@@ -102,8 +102,7 @@ class Router:
         if prefills:
             # Queue: the heartbeat's figure is up to a beat old; what this router sent since is certain.
             pcands = [PrefillCandidate(w.worker_id, max(int(w.load.get("queued_tokens", 0)), w.inflight_tokens),
-                                       hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight,
-                                       loadable[w.worker_id],
+                                       hits.worker_blocks.get(w.worker_id, 0) * bs, w.inflight, loadable[w.worker_id],
                                        max(int(w.load.get("running_requests", 0)), w.inflight_prefills),
                                        hits.cluster_tokens_for(w.worker_id, bs))
                       for w in prefills]
@@ -171,9 +170,7 @@ class Router:
         None: not known). `stop`: strings that end the request (finish STOP), never part of its text;
         `on_client_gone(f)`: calls f as the client goes (its id is then free, cleanup or not)."""
         request_id = request_id or uuid.uuid4().hex
-        release = await self.active.claim(request_id)
-        if on_client_gone is not None:
-            on_client_gone(release)
+        release = await self.active.claim(request_id, on_client_gone)
         summary, status, t0 = None, "OK", time.perf_counter()
         if waited_ms is not None:
             self.metrics.observe("before_handler_ms", waited_ms)
@@ -336,9 +333,12 @@ class Router:
             async with aclosing(colocated(route.decode.stub, request_id, ids, sampling, self.profile_pb, timeout_s,
                                           self.cfg.stream_interval)) as items:
                 async for item in items:
-                    summary.completion_tokens = item.index + 1
-                    yield item
-            summary.computed = len(ids)
+                    if isinstance(item, Finished):
+                        summary.cached_local = item.done.usage.cached_tokens_local
+                    else:
+                        summary.completion_tokens = item.index + 1
+                        yield item
+            summary.computed = len(ids) - summary.cached_local
             return
         t_sent = t_admitted = time.perf_counter()
         d = route.decode
@@ -373,8 +373,7 @@ class Router:
             for stage, ticket in tickets.items():
                 stage.ended(ticket)
 
-    async def _account(self, resp, route: Route, prompt_tokens: int, prefill_ms: float,
-                       first_token_ms: float) -> None:
+    async def _account(self, resp, route: Route, prompt_tokens: int, prefill_ms: float, first_token_ms: float) -> None:
         """`prefill_ms`: from decode's admission (prefill sent then) to prefill's first token, what the
         coefficients price; `first_token_ms`: from sending the request to decode to it, what the estimate priced."""
         u = resp.usage
