@@ -79,7 +79,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     params = _sampling(args)  # validates before any call
     kwargs = dict(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
                   top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos)
-    with Client(args.router, api_key=args.api_key, ca_path=args.tls_ca or None) as c:
+    with Client(args.router, timeout_s=args.timeout_s, api_key=args.api_key, ca_path=args.tls_ca or None) as c:
         for item in c.generate_streamed(args.prompt, **kwargs):
             if isinstance(item, Result):
                 if args.json:
@@ -124,6 +124,7 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--num-blocks", type=int, default=2048)
+    gen.add_argument("--timeout-s", type=float, default=120.0, help="--router: the request's deadline, in seconds")
     _add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -15,6 +15,7 @@ anything else.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -149,7 +150,11 @@ def _error(e: grpc.RpcError) -> errors.PdserveError:
 TIMEOUT_KEY = "pdserve-timeout-ms"
 
 
-def _generate_options(timeout_s: float, metadata: tuple[tuple[str, str], ...]) -> dict:
+def _generate_options(timeout_s: float | None, default_s: float, metadata: tuple[tuple[str, str], ...]) -> dict:
+    """A call's timeout: `timeout_s`, or the client's `default_s` when None."""
+    timeout_s = default_s if timeout_s is None else timeout_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
+        raise _invalid(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     return {"timeout": timeout_s, "metadata": (*metadata, (TIMEOUT_KEY, f"{timeout_s * 1e3:.0f}"))}
 
 
@@ -190,7 +195,7 @@ class Client:
                  **sampling) -> Result:
         try:
             resp = self._stub.GenerateUnary(_request("Client.generate", prompt, request_id, sampling),
-                                            **_generate_options(timeout_s or self.timeout_s, self._metadata))
+                                            **_generate_options(timeout_s, self.timeout_s, self._metadata))
         except grpc.RpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -205,7 +210,7 @@ class Client:
                           **sampling) -> Iterator[TokenEvent | Result]:
         """Token events as they come, then the `Result` (usage, timings, route)."""
         call = self._stub.Generate(_request("Client.stream", prompt, request_id, sampling),
-                                   **_generate_options(timeout_s or self.timeout_s, self._metadata))
+                                   **_generate_options(timeout_s, self.timeout_s, self._metadata))
         tokens: list[TokenEvent] = []
         try:
             for msg in call:
@@ -250,7 +255,7 @@ class AsyncClient:
                        **sampling) -> Result:
         try:
             resp = await self._stub.GenerateUnary(_request("AsyncClient.generate", prompt, request_id, sampling),
-                                                  **_generate_options(timeout_s or self.timeout_s, self._metadata))
+                                                  **_generate_options(timeout_s, self.timeout_s, self._metadata))
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         return _result([_event(t) for t in resp.tokens], resp.summary)
@@ -264,7 +269,7 @@ class AsyncClient:
     async def generate_streamed(self, prompt: str | list[int], request_id: str = "",
                                 timeout_s: float | None = None, **sampling) -> AsyncIterator[TokenEvent | Result]:
         call = self._stub.Generate(_request("AsyncClient.stream", prompt, request_id, sampling),
-                                   **_generate_options(timeout_s or self.timeout_s, self._metadata))
+                                   **_generate_options(timeout_s, self.timeout_s, self._metadata))
         tokens: list[TokenEvent] = []
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:

@@ -4,8 +4,10 @@ server: a call that got past them would fail UNAVAILABLE instead)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,3 +78,34 @@ def test_an_api_key_no_header_can_carry_is_invalid_argument_at_once():
             Client("127.0.0.1:1", api_key=key)
         with pytest.raises(errors.InvalidArgument, match="the API key must be printable ASCII"):
             AsyncClient("127.0.0.1:1", api_key=key)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf"), "5", True])
+def test_a_timeout_that_is_not_a_positive_number_is_invalid_argument(timeout_s):
+    """(0 fell back to the client's default, 120 s, unsaid.)"""
+    with Client("127.0.0.1:1", timeout_s=1) as c:
+        with pytest.raises(errors.InvalidArgument, match="timeout_s must be a positive number of seconds"):
+            c.generate("x", timeout_s=timeout_s)
+        with pytest.raises(errors.InvalidArgument, match="timeout_s must be a positive number"):
+            list(c.stream("x", timeout_s=timeout_s))
+
+    async def run():
+        async with AsyncClient("127.0.0.1:1", timeout_s=timeout_s) as c:
+            with pytest.raises(errors.InvalidArgument, match="timeout_s must be a positive number"):
+                await c.generate("x")
+
+    asyncio.run(run())
+
+
+def test_the_cli_takes_a_deadline_and_refuses_one_that_is_not_positive(capsys):
+    from pdserve.cli import main
+
+    assert main(["generate", "--router", "127.0.0.1:1", "--prompt", "x", "--timeout-s", "0"]) == 2
+    assert "timeout_s must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+    # A deadline it keeps: a peer that accepts the connection and never answers.
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        t0 = time.perf_counter()
+        assert main(["generate", "--router", f"127.0.0.1:{mute.getsockname()[1]}", "--prompt", "x",
+                     "--timeout-s", "0.5"]) == 1
+        took = time.perf_counter() - t0
+    assert 0.5 <= took < 5 and "DEADLINE_EXCEEDED" in capsys.readouterr().err
