@@ -97,6 +97,8 @@ def _request(method: str, prompt: str | list[int], request_id: str, sampling: di
     if not isinstance(prompt, str) and not (isinstance(prompt, list | tuple) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= (1 << 31) - 1 for t in prompt)):
         raise _invalid("prompt must be a string or a list of non-negative token ids")
+    if not isinstance(request_id, str):
+        raise _invalid(f"request_id must be a string, got {request_id!r}")
     sampling_pb = common_pb2.SamplingParams(
         max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
         stop_token_ids=list(p["stop_token_ids"]), ignore_eos=bool(p["ignore_eos"]))

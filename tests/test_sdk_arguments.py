@@ -40,6 +40,8 @@ def test_bad_sampling_arguments_are_invalid_argument(kw, message):
             list(c.stream("x", **kw))
         with pytest.raises(errors.InvalidArgument, match="prompt must be a string or a list"):
             c.generate([1, -2])
+        with pytest.raises(errors.InvalidArgument, match="request_id must be a string, got 7"):
+            c.generate("x", request_id=7)
 
 
 def test_an_unknown_keyword_names_the_public_method():
