@@ -45,7 +45,7 @@ class Stack:
         self.router: ServiceProcess | None = None
         self.redis_url = ""  # set once the stack's Redis is known
         self.key_prefix = args.key_prefix or f"pdserve-up-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"pdserve-up-{time.strftime('%Y%m%d-%H%M%S')}-")
+        self.log_dir = ""  # made once the arguments pass: a refused run leaves none behind
         self.http_port = 0  # the router's HTTP API port, once it serves
 
     def start(self) -> str:
@@ -53,6 +53,7 @@ class Stack:
         if not 1 <= a.store_nodes <= min(a.prefill, a.decode):
             raise ValueError(f"--store-nodes {a.store_nodes}: each store node needs a prefill and a decode worker of "
                              f"its own (have {a.prefill} prefill, {a.decode} decode)")
+        self.log_dir = a.log_dir or tempfile.mkdtemp(prefix=f"pdserve-up-{time.strftime('%Y%m%d-%H%M%S')}-")
         os.makedirs(self.log_dir, exist_ok=True)
         say(f"logs in {self.log_dir} (kept after stop)")
         if a.redis_url:
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         serving.set()  # (a second signal must not cut stop() short)
         stack.stop()
-        say(f"stopped; logs kept in {stack.log_dir}")
+        say(f"stopped; logs kept in {stack.log_dir}" if stack.log_dir else "stopped")
 
 
 def _serve(stack: Stack, done: threading.Event) -> int:

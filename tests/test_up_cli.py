@@ -270,3 +270,12 @@ def test_a_named_prefix_holding_keys_is_refused_and_kept():
         client.close()
     finally:
         server.stop()
+
+
+def test_up_refused_for_its_arguments_leaves_no_log_directory(tmp_path):
+    """(A refused run made its log directory first, and said 'logs kept in' an empty one.)"""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--store-nodes", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "each store node needs a prefill and a decode worker" in out.stderr
+    assert list(tmp_path.iterdir()) == [] and "logs kept" not in out.stderr + out.stdout
