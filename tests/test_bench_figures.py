@@ -1,0 +1,33 @@
+"""The benches' figures and targets from known inputs: nothing invented where nothing was measured."""
+
+from __future__ import annotations
+
+import math
+
+from pdserve.bench.serve_stats import Record
+
+
+def _served(n: int, tokens: int = 4) -> list[Record]:
+    return [Record(0, 10, tokens, ok=True, ttft_ms=10.0 + i, output_tokens=tokens, itl_ms=[1.0] * (tokens - 1))
+            for i in range(n)]
+
+
+def test_api_bench_router_cpu_per_token_only_where_measured():
+    from pdserve.bench.api_bench import api_figures, http_minus_grpc
+
+    g = api_figures(_served(4), cpu_s=0.02)
+    assert g["router_cpu_us_per_token"] == 0.02 / 16 * 1e6
+    # No token streamed (every request failed): no CPU per token, not the CPU seconds x 1e6.
+    failed = [Record(0, 10, 4, error="boom")] * 4
+    assert "router_cpu_us_per_token" not in api_figures(failed, cpu_s=0.05)
+    # The router's CPU clock (10 ms ticks) saw nothing on gRPC: no ratio, not HTTP's figure / 1e-9.
+    idle = api_figures(_served(4), cpu_s=0.0)
+    assert "router_cpu_us_per_token" not in idle
+    delta, targets = http_minus_grpc(idle, api_figures(_served(4), cpu_s=0.01))
+    assert "router_cpu_per_token_ratio" not in delta
+    assert [t.name for t in targets] == ["http_added_ttft_p50", "http_added_itl_p50"]
+    delta, targets = http_minus_grpc(g, api_figures(_served(4), cpu_s=0.03))
+    assert delta["router_cpu_per_token_ratio"] == 1.5 and not targets[2].met
+    # A latency HTTP never measured is NaN there, and its target is not met.
+    _, targets = http_minus_grpc(g, api_figures(failed, cpu_s=0.05))
+    assert math.isnan(targets[0].value) and not targets[0].met
