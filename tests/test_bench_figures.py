@@ -31,3 +31,13 @@ def test_api_bench_router_cpu_per_token_only_where_measured():
     # A latency HTTP never measured is NaN there, and its target is not met.
     _, targets = http_minus_grpc(g, api_figures(failed, cpu_s=0.05))
     assert math.isnan(targets[0].value) and not targets[0].met
+
+
+def test_capacity_pools_need_a_decode_batch_within_the_tpot_limit():
+    from pdserve.bench.capacity_bench import workers_needed
+
+    # 2 req/s of 1000 prompt and 100 output tokens; prefill 4000 tok/s; 8 sequences at 50 ms a step.
+    assert workers_needed(2.0, 1000, 100, 4000, 8, 50.0) == {
+        "prefill_workers_needed": 0.5, "decode_workers_needed": 2 * 100 * 0.05 / 8, "p_to_d_ratio": 0.5 / 1.25}
+    # No batch met the TPOT limit: no decode pool and no P:D (before: an infinite pool and P:D 0.0).
+    assert workers_needed(2.0, 1000, 100, 4000, 0, math.nan) == {"prefill_workers_needed": 0.5}

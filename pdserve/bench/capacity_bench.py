@@ -74,6 +74,18 @@ def workload_means(args) -> tuple[float, float, float]:
             statistics.mean(r["output_length"] for r in recs), len(recs) / span_s * args.rate_scale)
 
 
+def workers_needed(rate: float, mean_in: float, mean_out: float, prefill_tok_s: float, batch: int,
+                   tpot_ms: float) -> dict[str, float]:
+    """Prefill and decode workers a workload needs, and P:D; the decode pool and P:D only where a
+    decode batch met the TPOT limit (none did: no decode figure, not an infinite pool and P:D 0)."""
+    out = {"prefill_workers_needed": rate * mean_in / prefill_tok_s}
+    if batch and math.isfinite(tpot_ms):
+        out["decode_workers_needed"] = decode = rate * mean_out * tpot_ms / 1e3 / batch
+        if decode > 0:
+            out["p_to_d_ratio"] = out["prefill_workers_needed"] / decode
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     if args.fit_cost_model:
         from dataclasses import asdict
@@ -91,23 +103,23 @@ def run(args: argparse.Namespace) -> None:
                           lambda t: t <= args.tpot_ms)
     mean_in, mean_out, rate = workload_means(args)
     tpot_at = tpots.get(batch, math.nan)
-    prefill_workers = rate * mean_in / tok_s
-    decode_workers = rate * mean_out * tpot_at / 1e3 / batch if batch else math.inf
+    pools = workers_needed(rate, mean_in, mean_out, tok_s, batch, tpot_at)
     figures = {
         "engine": args.engine, "prompt_tokens": args.prompt_tokens, "ttft_limit_ms": args.ttft_ms,
         "tpot_limit_ms": args.tpot_ms, "prefill_max_concurrency": conc, "prefill_ttft_by_concurrency_ms": ttfts,
         "prefill_tok_s_per_worker": tok_s, "prefill_max_rate_per_worker": tok_s / args.prompt_tokens,
         "decode_max_batch": batch, "decode_tpot_by_batch_ms": tpots,
-        "workload": {"mean_prompt_tokens": mean_in, "mean_output_tokens": mean_out, "rate_rps": rate},
-        "prefill_workers_needed": prefill_workers, "decode_workers_needed": decode_workers,
-        "p_to_d_ratio": prefill_workers / decode_workers if decode_workers else math.inf,
+        "workload": {"mean_prompt_tokens": mean_in, "mean_output_tokens": mean_out, "rate_rps": rate}, **pools,
     }
+    decode_said = "no decode batch within the TPOT limit: no decode pool or P:D"
+    if "decode_workers_needed" in pools:
+        decode_said = (f"{pools['decode_workers_needed']:.2f} decode workers, "
+                       f"P:D = {pools.get('p_to_d_ratio', math.nan):.2f}")
     lines = [f"prefill: {conc} prompts of {args.prompt_tokens} tokens at once within TTFT {args.ttft_ms} ms "
              f"({tok_s:.0f} tok/s per worker -> {tok_s / args.prompt_tokens:.2f} prompts/s)",
              f"decode: {batch} running sequences within TPOT {args.tpot_ms} ms (TPOT {tpot_at:.1f} ms there)",
              f"workload: {rate:.2f} req/s, mean prompt {mean_in:.0f} tok, mean output {mean_out:.0f} tok -> "
-             f"{prefill_workers:.2f} prefill and {decode_workers:.2f} decode workers, P:D = "
-             f"{figures['p_to_d_ratio']:.2f}"]
+             f"{pools['prefill_workers_needed']:.2f} prefill and {decode_said}"]
     emit(figures, [], args.json, lines)
 
 
