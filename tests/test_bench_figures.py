@@ -41,3 +41,12 @@ def test_capacity_pools_need_a_decode_batch_within_the_tpot_limit():
         "prefill_workers_needed": 0.5, "decode_workers_needed": 2 * 100 * 0.05 / 8, "p_to_d_ratio": 0.5 / 1.25}
     # No batch met the TPOT limit: no decode pool and no P:D (before: an infinite pool and P:D 0.0).
     assert workers_needed(2.0, 1000, 100, 4000, 0, math.nan) == {"prefill_workers_needed": 0.5}
+
+
+def test_a_request_served_without_a_measured_ttft_does_not_meet_the_slo():
+    from pdserve.bench.serve_stats import attainment, meets_slo
+
+    # Served, one token counted from usage, but no chunk carried text: TTFT never measured.
+    unseen = Record(0, 10, 1, ok=True, output_tokens=1)
+    assert math.isnan(unseen.ttft_ms) and not meets_slo(unseen, 2000, 100)
+    assert attainment([unseen, *_served(1, tokens=1)], 2000, 100) == 0.5

@@ -80,7 +80,8 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 
 def meets_slo(r: Record, ttft_ms: float, tpot_ms: float) -> bool:
-    if not r.ok or r.ttft_ms > ttft_ms:
+    """Served within both SLOs; a TTFT (or TPOT) not measured does not meet one (NaN compares false)."""
+    if not r.ok or not r.ttft_ms <= ttft_ms:
         return False
     return r.output_tokens <= 1 or r.tpot_ms <= tpot_ms
 
