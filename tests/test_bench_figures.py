@@ -50,3 +50,23 @@ def test_a_request_served_without_a_measured_ttft_does_not_meet_the_slo():
     unseen = Record(0, 10, 1, ok=True, output_tokens=1)
     assert math.isnan(unseen.ttft_ms) and not meets_slo(unseen, 2000, 100)
     assert attainment([unseen, *_served(1, tokens=1)], 2000, 100) == 0.5
+
+
+def test_no_requests_or_blocks_measured_give_nan_not_zero():
+    from pdserve.bench.compare_bench import block_hit_ratio, pooled_bound
+    from pdserve.bench.serve_stats import attainment, goodput, lru_hit_ratio, summarize
+
+    refused = [Record(0, 10, 4, error="ResourceExhausted: RESOURCE_EXHAUSTED: queue full", error_ms=1.0)] * 3
+    s = summarize(refused, wall_s=1.0, ttft_slo_ms=2000, tpot_slo_ms=100)
+    assert math.isnan(s["prefix_hit_ratio_tokens"])  # nothing served: no hit ratio (before: 0.0)
+    assert s["throughput_rps"] == 0.0 and s["slo"]["attainment"] == 0.0  # (measured: none served)
+    assert math.isnan(attainment([], 2000, 100)) and math.isnan(summarize([], 0.0, 2000, 100)["throughput_rps"])
+    # A rate whose attainment was not measured does not pass, nor does any rate above it.
+    assert goodput({1.0: 0.95, 2.0: math.nan, 4.0: 0.95}) == 1.0
+    assert math.isnan(block_hit_ratio(refused, 16)) and math.isnan(lru_hit_ratio([], 10))
+    assert math.isnan(pooled_bound([], 10, 16))
+    served = [Record(0, 40, 4, ok=True, cached_local=16)]
+    assert block_hit_ratio(served, 16) == 0.5
+    from pdserve.bench.handoff_bench import hidden_fraction
+
+    assert hidden_fraction(10.0, 2.5) == 0.75 and math.isnan(hidden_fraction(0.0, 0.0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +43,10 @@ def fresh(reqs: list[BenchRequest], k: int) -> list[BenchRequest]:
 
 def block_hit_ratio(records, block_size: int, hit=lambda r: r.cached_local + r.cached_store) -> float:
     """Prompt blocks not recomputed / prompt blocks, over the requests that completed. `hit` picks
-    which figure counts: the realised reuse, or what the router expected or could have had."""
+    which figure counts: the realised reuse, or what the router expected or could have had. NaN
+    (not measured) where no completed request had a full block."""
     total = sum(r.prompt_tokens // block_size for r in records if r.ok)
-    return sum(hit(r) // block_size for r in records if r.ok) / total if total else 0.0
+    return sum(hit(r) // block_size for r in records if r.ok) / total if total else math.nan
 
 
 def hit_breakdown(records, block_size: int) -> dict[str, float]:

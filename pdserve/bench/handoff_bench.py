@@ -91,6 +91,11 @@ async def _colocated_request(d, rid, ids, max_tokens, times: list[float] | None 
             times.append(time.perf_counter())
 
 
+def hidden_fraction(write_ms: float, exposed_ms: float) -> float:
+    """The share of the store write that hid behind compute; NaN (not measured) with no write."""
+    return max(0.0, 1 - exposed_ms / write_ms) if write_ms > 0 else float("nan")
+
+
 async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int], repeats: int) -> list[dict]:
     from pdserve.runtime.server import channel
 
@@ -109,7 +114,7 @@ async def ttft_breakdown(prefill_addr: str, decode_addr: str, lengths: list[int]
                 "queue_and_load_ms": med([x.queue_ms + x.load_ms for x in t]),
                 "prefill_compute_ms": med([x.prefill_ms for x in t]),
                 "store_write_ms": write, "store_write_exposed_ms": exposed,
-                "transfer_hidden_fraction": max(0.0, 1 - exposed / write) if write > 0 else 0.0,
+                "transfer_hidden_fraction": hidden_fraction(write, exposed),
                 "decode_pull_wait_ms": med([s["done"].timings.pull_wait_ms for s in samples]),
             })
     return rows

@@ -87,15 +87,17 @@ def meets_slo(r: Record, ttft_ms: float, tpot_ms: float) -> bool:
 
 
 def attainment(records: Sequence[Record], ttft_ms: float, tpot_ms: float) -> float:
-    return sum(meets_slo(r, ttft_ms, tpot_ms) for r in records) / len(records) if records else 0.0
+    """The share of requests served within both SLOs; NaN (not measured) for no requests."""
+    return sum(meets_slo(r, ttft_ms, tpot_ms) for r in records) / len(records) if records else math.nan
 
 
 def goodput(attained_by_rate: dict[float, float], threshold: float = 0.9) -> float:
     """Highest swept rate up to which every swept rate attains >= threshold (0 when the lowest
-    does not): a rate that passes above one that failed is luck, not capacity."""
+    does not): a rate that passes above one that failed is luck, not capacity. An attainment not
+    measured (NaN) does not pass."""
     best = 0.0
     for rate in sorted(attained_by_rate):
-        if attained_by_rate[rate] < threshold:
+        if not attained_by_rate[rate] >= threshold:
             break
         best = rate
     return best
@@ -141,11 +143,11 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
         by_reason.setdefault(refusal_reason(r.error), []).append(r.error_ms)
     out["refusals_by_reason"] = {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
                                  for k, v in sorted(by_reason.items())}
-    out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else 0.0
-    out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0
+    out["throughput_rps"] = len(ok) / wall_s if wall_s > 0 else math.nan
+    out["output_tok_s"] = sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else math.nan
     prompt = sum(r.prompt_tokens for r in ok)
     local, store = sum(r.cached_local for r in ok), sum(r.cached_store for r in ok)
-    out["prefix_hit_ratio_tokens"] = (local + store) / prompt if prompt else 0.0
+    out["prefix_hit_ratio_tokens"] = (local + store) / prompt if prompt else math.nan  # (none served: NaN)
     out["hit_tokens_local"], out["hit_tokens_store"], out["prompt_tokens"] = local, store, prompt
     out["slo"] = {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms,
                   "attainment": attainment(records, ttft_slo_ms, tpot_slo_ms)}
@@ -171,4 +173,4 @@ def lru_hit_ratio(chains: Iterable[Sequence[object]], capacity_blocks: int) -> f
             cache.move_to_end(block)
             while len(cache) > capacity_blocks:
                 cache.popitem(last=False)
-    return hits / total if total else 0.0
+    return hits / total if total else math.nan
