@@ -70,3 +70,19 @@ def test_no_requests_or_blocks_measured_give_nan_not_zero():
     from pdserve.bench.handoff_bench import hidden_fraction
 
     assert hidden_fraction(10.0, 2.5) == 0.75 and math.isnan(hidden_fraction(0.0, 0.0))
+
+
+def test_json_output_is_strict_json_with_not_measured_as_null(capsys, tmp_path):
+    import json
+
+    from pdserve.bench.report import Target, dumps, emit
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"not JSON: {c}")))
+
+    emit({"p50": math.nan, "rows": [{"x": math.inf}], "sweep": {4.0: 0.5}}, [Target("t", math.nan, "ms", 1.0, "<=")],
+         True, [])
+    doc = strict(capsys.readouterr().out)
+    assert doc["p50"] is None and doc["rows"] == [{"x": None}] and doc["sweep"] == {"4.0": 0.5}
+    assert doc["targets"][0]["value"] is None and doc["targets"][0]["met"] is False
+    assert strict(dumps({"a": [math.nan, 1.5]})) == {"a": [None, 1.5]}

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.deploy import Deployment, DeploySpec
-from pdserve.bench.report import Target, emit, machine
+from pdserve.bench.report import Target, dumps, emit, machine
 from pdserve.bench.serve_bench import add_workload_flags, build_workload, run_load
 from pdserve.bench.serve_stats import attainment, goodput, lru_hit_ratio, percentile, summarize
 from pdserve.bench.workloads import TOKEN_RANGE, BenchRequest, with_poisson_arrivals
@@ -282,8 +281,8 @@ def run(args: argparse.Namespace) -> None:
         targets.append(Target("router_decision_p99", max(route_p99), "ms", 2.0, "<="))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({**doc, "targets": [t.to_dict() for t in targets]}, indent=1,
-                                                 default=lambda x: None))
+    (out / "compare.json").write_text(dumps({**doc, "targets": [t.to_dict() for t in targets]}, indent=1,
+                                            default=lambda x: None))
     (out / "compare.md").write_text(markdown(doc))
     emit(doc, targets, args.json, [markdown(doc), f"written: {out / 'compare.json'}, {out / 'compare.md'}"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 from dataclasses import asdict, dataclass
@@ -37,9 +38,26 @@ def machine() -> dict:
     }
 
 
+def finite(x):
+    """`x` with every NaN or infinity in it as None (JSON's null): a figure not measured, never a
+    number strict JSON parsers refuse (Python writes NaN and Infinity, which are not JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [finite(v) for v in x]
+    return x
+
+
+def dumps(doc: dict, indent: int = 2, default=None) -> str:
+    """A bench's document as strict JSON (see `finite`)."""
+    return json.dumps(finite(doc), indent=indent, allow_nan=False, default=default)
+
+
 def emit(figures: dict, targets: list[Target], as_json: bool, lines: list[str]) -> None:
     if as_json:
-        print(json.dumps({**figures, "machine": machine(), "targets": [t.to_dict() for t in targets]}, indent=2))
+        print(dumps({**figures, "machine": machine(), "targets": [t.to_dict() for t in targets]}))
         return
     print("\n".join(lines))
     for t in targets:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import time
 from pathlib import Path
 
 from pdserve.bench import workloads
 from pdserve.bench.openai_load import run_openai_load
-from pdserve.bench.report import emit, machine
+from pdserve.bench.report import dumps, emit, machine
 from pdserve.bench.serve_stats import Record, attainment, gather_progress, goodput, summarize
 from pdserve.bench.workloads import BenchRequest
 from pdserve.client import AsyncClient, Result, TokenEvent
@@ -198,15 +197,11 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc["plots"] = [] if args.no_plots else plots(doc, records, out)
-    (out / "serve.json").write_text(json.dumps(doc, indent=1, default=_nan_safe))
+    (out / "serve.json").write_text(dumps(doc, indent=1))
     (out / "report.md").write_text(report_markdown(doc))
     lines = [report_markdown(doc), f"written: {out / 'serve.json'}, {out / 'report.md'}"
              + "".join(f", {out / p}" for p in doc["plots"])]
     emit({k: v for k, v in doc.items() if k != "records"}, targets, args.json, lines)
-
-
-def _nan_safe(x):
-    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
