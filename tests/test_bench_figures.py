@@ -86,3 +86,48 @@ def test_json_output_is_strict_json_with_not_measured_as_null(capsys, tmp_path):
     assert doc["p50"] is None and doc["rows"] == [{"x": None}] and doc["sweep"] == {"4.0": 0.5}
     assert doc["targets"][0]["value"] is None and doc["targets"][0]["met"] is False
     assert strict(dumps({"a": [math.nan, 1.5]})) == {"a": [None, 1.5]}
+
+
+class _FakeStream:
+    """What httpx's client.stream gives: a 200 and the SSE lines, each chunk `delay_s` apart."""
+
+    def __init__(self, lines: list[str], delay_s: float):
+        self.lines, self.delay_s, self.status_code = lines, delay_s, 200
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def aiter_lines(self):
+        import asyncio
+
+        for line in self.lines:
+            await asyncio.sleep(self.delay_s)
+            yield line
+
+
+def test_openai_load_records_one_gap_per_token_as_the_grpc_load_does():
+    """A router streaming 4 tokens a chunk (--stream-interval 4): the gRPC client yields each token
+    as an event, so its ITL has a gap per token; the HTTP load had one per chunk, a population
+    whose p50 was the chunk's gap, compared by bench api against gRPC's per-token p50."""
+    import asyncio
+    import json
+
+    from pdserve.bench.openai_load import openai_one
+    from pdserve.bench.workloads import BenchRequest
+
+    chunks = [[1], [2, 3, 4, 5], [6, 7, 8, 9]]
+    lines = [f"data: {json.dumps({'choices': [{'text': 'x', 'pdserve': {'token_ids': ids}}]})}" for ids in chunks]
+    lines += ["data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 9}}), "data: [DONE]"]
+
+    class Client:
+        def stream(self, *a, **kw):
+            return _FakeStream(lines, 0.02)
+
+    rec = asyncio.run(openai_one(Client(), "http://x/v1", "m", BenchRequest(0.0, [1, 2], 9), 0.0, 10.0))
+    assert rec.ok and rec.output_tokens == 9 and len(rec.itl_ms) == 8
+    gaps = rec.itl_ms
+    assert gaps[1:4] == gaps[5:] == [0.0] * 3  # the same chunk's tokens
+    assert gaps[0] >= 15 and gaps[4] >= 15  # the gap between chunks, once each

@@ -108,6 +108,9 @@ async def openai_one(client, url: str, model: str, req: BenchRequest, t_start: f
                             rec.ttft_ms = (now - t0) * 1e3
                         else:
                             rec.itl_ms.append((now - last) * 1e3)
+                        # A chunk's further tokens came with it: a gap of 0 each, one gap per token
+                        # as the gRPC load records them (a message of N tokens is N events there).
+                        rec.itl_ms += [0.0] * (n - 1)
                         last = now
                         counted += n
                     if "route" in ext:
