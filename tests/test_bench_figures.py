@@ -131,3 +131,19 @@ def test_openai_load_records_one_gap_per_token_as_the_grpc_load_does():
     gaps = rec.itl_ms
     assert gaps[1:4] == gaps[5:] == [0.0] * 3  # the same chunk's tokens
     assert gaps[0] >= 15 and gaps[4] >= 15  # the gap between chunks, once each
+
+
+def test_compare_pooled_bound_is_over_the_requests_the_load_sent():
+    """run_load leaves out arrivals after --max-seconds (at the reported pass's own Poisson times
+    with --rates); the bound the realised hit ratio is judged against is over those requests."""
+    from argparse import Namespace
+
+    from pdserve.bench.compare_bench import pooled_bound, sent_requests
+    from pdserve.bench.workloads import BenchRequest, with_poisson_arrivals
+
+    a, b = list(range(32)), list(range(100, 132))
+    reqs = [BenchRequest(0.0, a, 1), BenchRequest(1.0, b, 1), BenchRequest(5.0, a, 1), BenchRequest(6.0, b, 1)]
+    sent = sent_requests(reqs, Namespace(rates="", rate=0.0, max_seconds=2.0))
+    assert sent == reqs[:2] and pooled_bound(sent, 100, 16) == 0.0  # (all of reqs: 0.5)
+    swept = sent_requests(reqs, Namespace(rates="1,8", rate=0.0, max_seconds=0.3))
+    assert swept == [r for r in with_poisson_arrivals(reqs, 8.0) if r.arrival_s <= 0.3]

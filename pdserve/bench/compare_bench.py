@@ -31,6 +31,15 @@ def pooled_bound(reqs: list[BenchRequest], capacity_blocks: int, block_size: int
     return lru_hit_ratio(chains, capacity_blocks)
 
 
+def sent_requests(reqs: list[BenchRequest], args) -> list[BenchRequest]:
+    """The requests of the pass whose records are reported (the last --rates entry's, or --rate's),
+    at its arrival times: those that arrive within --max-seconds, as run_load sends them."""
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else []
+    rate = rates[-1] if rates else args.rate
+    load = with_poisson_arrivals(reqs, rate) if rate else reqs
+    return [r for r in load if r.arrival_s <= args.max_seconds]
+
+
 def fresh(reqs: list[BenchRequest], k: int) -> list[BenchRequest]:
     """The k-th pass of a sweep gets other tokens (same lengths, same sharing among its requests),
     so an earlier pass never warms the caches for a later one."""
@@ -259,7 +268,7 @@ def run(args: argparse.Namespace) -> None:
                 + (args.store_nodes * args.cluster_segment_tokens if args.store_nodes > 1 else 0)) // 16
     doc = {"workload": args.workload, "machine": machine(), "runs": runs,
            "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json")},
-           "pooled_capacity_blocks": capacity, "pooled_bound": pooled_bound(reqs, capacity, 16)}
+           "pooled_capacity_blocks": capacity, "pooled_bound": pooled_bound(sent_requests(reqs, args), capacity, 16)}
     targets = []
     by = {(r["mode"], r["policy"]): r for r in runs}
     if args.store_nodes > 1:
