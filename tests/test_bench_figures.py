@@ -147,3 +147,15 @@ def test_compare_pooled_bound_is_over_the_requests_the_load_sent():
     assert sent == reqs[:2] and pooled_bound(sent, 100, 16) == 0.0  # (all of reqs: 0.5)
     swept = sent_requests(reqs, Namespace(rates="1,8", rate=0.0, max_seconds=0.3))
     assert swept == [r for r in with_poisson_arrivals(reqs, 8.0) if r.arrival_s <= 0.3]
+
+
+def test_compare_router_decision_p99_is_the_worst_measured_whatever_the_order():
+    from pdserve.bench.compare_bench import _router_target
+
+    def run(p99, mode="disagg"):
+        return {"mode": mode, "route_ms": {"p99": p99}}
+
+    for runs in ([run(math.nan), run(3.0), run(1.0)], [run(3.0), run(math.nan), run(1.0)]):
+        (t,) = _router_target(runs)
+        assert t.value == 3.0 and not t.met  # (before: NaN first gave NaN; NaN later was passed over)
+    assert _router_target([run(math.nan), run(9.0, "colocated")]) == []
