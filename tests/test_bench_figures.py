@@ -159,3 +159,14 @@ def test_compare_router_decision_p99_is_the_worst_measured_whatever_the_order():
         (t,) = _router_target(runs)
         assert t.value == 3.0 and not t.met  # (before: NaN first gave NaN; NaN later was passed over)
     assert _router_target([run(math.nan), run(9.0, "colocated")]) == []
+
+
+def test_handoff_itl_percentiles_are_the_benches_percentile():
+    """Its own nearest-rank pct rounded half to even: p50 of 4 gaps was the 3rd, of 2 gaps the 1st."""
+    from pdserve.bench.handoff_bench import pct
+    from pdserve.bench.serve_stats import percentile
+
+    for xs in ([1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [float(x) for x in range(1, 101)]):
+        for q in (50, 99):
+            assert pct(xs, q) == percentile(xs, q)
+    assert math.isnan(pct([], 99))

@@ -26,16 +26,15 @@ import statistics
 import time
 
 from pdserve.bench.report import Target, emit
+from pdserve.bench.serve_stats import percentile
 from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.router.dispatch import DecodeAdmitted, Finished, FirstFromPrefill, disaggregated
 
 
 def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+    """The benches' one percentile (serve_stats.percentile: linear, numpy's default; NaN for none)."""
+    return percentile(xs, q)
 
 
 _salts = itertools.count(1)
