@@ -170,3 +170,35 @@ def test_handoff_itl_percentiles_are_the_benches_percentile():
         for q in (50, 99):
             assert pct(xs, q) == percentile(xs, q)
     assert math.isnan(pct([], 99))
+
+
+def test_a_refusal_over_the_openai_api_counts_as_refused():
+    """The HTTP API answers a refusal for load 429 (gRPC's RESOURCE_EXHAUSTED); bench serve --api
+    openai counted those among other errors, and no refusal reason or latency was reported."""
+    import json
+
+    from pdserve.bench.serve_stats import summarize
+
+    body = json.dumps({"error": {"message": "no decode worker can admit 3 KV blocks now (2 healthy), and 64 "
+                                 "requests are already queued for room: retry in about 2000 ms",
+                                 "type": "rate_limit_error", "param": None, "code": "resource_exhausted"}})
+    recs = [Record(0, 10, 4, error=f"RuntimeError: HTTP 429: {body}", error_ms=2.0),
+            Record(0, 10, 4, error="RuntimeError: stream error: HTTP 429: store full", error_ms=4.0),
+            Record(0, 10, 4, error="RuntimeError: HTTP 500: internal error", error_ms=9.0)]
+    s = summarize(recs, wall_s=1.0, ttft_slo_ms=2000, tpot_slo_ms=100)
+    assert (s["refused"], s["other_errors"]) == (2, 1) and s["refusal_ms"]["p50"] == 3.0
+    assert {k: v["n"] for k, v in s["refusals_by_reason"].items()} == {"queue_full": 1, "store_full": 1}
+    # A refusal that came as the stream's error event keeps its status in the record.
+    import asyncio
+
+    from pdserve.bench.openai_load import openai_one
+    from pdserve.bench.workloads import BenchRequest
+
+    lines = ["data: " + json.dumps({"error": {"message": "store full", "type": "rate_limit_error", "status": 429}})]
+
+    class Client:
+        def stream(self, *a, **kw):
+            return _FakeStream(lines, 0.0)
+
+    rec = asyncio.run(openai_one(Client(), "http://x/v1", "m", BenchRequest(0.0, [1], 4), 0.0, 10.0))
+    assert not rec.ok and rec.error == "RuntimeError: stream error: HTTP 429: store full"

@@ -96,8 +96,10 @@ async def openai_one(client, url: str, model: str, req: BenchRequest, t_start: f
                 if data == "[DONE]":
                     continue
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error'].get('message')}")
+                if "error" in chunk:  # (pdserve's says its HTTP status: a refusal mid-stream is still a 429)
+                    err = chunk["error"]
+                    status = f"HTTP {err['status']}: " if "status" in err else ""
+                    raise RuntimeError(f"stream error: {status}{err.get('message')}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
                     ext = choice.get("pdserve") or {}

@@ -114,6 +114,11 @@ REFUSAL_REASONS = (  # (what the router's or a worker's message says, the reason
 )
 
 
+def is_refusal(error: str) -> bool:
+    """Refused for load: gRPC's RESOURCE_EXHAUSTED, or the HTTP status an OpenAI API gives it (429)."""
+    return "RESOURCE_EXHAUSTED" in error or "HTTP 429:" in error
+
+
 def refusal_reason(error: str) -> str:
     """Which admission rule refused a request, from its error message."""
     return next((reason for text, reason in REFUSAL_REASONS if text in error), "other")
@@ -135,7 +140,7 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo_ms: float, tpot
         out["ttft_estimate_error_ms"] = {f"p{q}": percentile(missed, q) for q in (10, 50, 90)}
     out["error_samples"] = sorted({r.error for r in records if not r.ok})[:5]
     # Refusals (RESOURCE_EXHAUSTED: overload said so) apart from every other error, and how fast.
-    refused = [r for r in records if not r.ok and "RESOURCE_EXHAUSTED" in r.error]
+    refused = [r for r in records if not r.ok and is_refusal(r.error)]
     out["refused"], out["other_errors"] = len(refused), out["errors"] - len(refused)
     out["refusal_ms"] = {f"p{q}": percentile([r.error_ms for r in refused], q) for q in (50, 99)}
     by_reason: dict[str, list[float]] = {}
