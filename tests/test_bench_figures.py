@@ -202,3 +202,18 @@ def test_a_refusal_over_the_openai_api_counts_as_refused():
 
     rec = asyncio.run(openai_one(Client(), "http://x/v1", "m", BenchRequest(0.0, [1], 4), 0.0, 10.0))
     assert not rec.ok and rec.error == "RuntimeError: stream error: HTTP 429: store full"
+
+
+def test_compare_goodput_target_names_the_first_disagg_policy_and_calls_need_a_served_request():
+    from pdserve.bench.compare_bench import _calls_per_request, _goodput_target
+
+    runs = [{"mode": "disagg", "policy": "cache_aware", "goodput_rps": 3.0},
+            {"mode": "disagg", "policy": "least_loaded", "goodput_rps": 1.0},
+            {"mode": "colocated", "policy": "least_loaded", "goodput_rps": 1.5}]
+    [t] = _goodput_target(runs)
+    assert (t.name, t.value) == ("goodput_disagg_cache_aware_vs_colocated", 2.0)
+    assert _goodput_target([runs[0], {**runs[2], "goodput_rps": math.nan}]) == []
+    assert _goodput_target(runs[:2]) == []
+    stores = [{"calls": {"Watch": 6, "Get": 3}}, {"calls": {"Watch": 2}}]
+    assert _calls_per_request(stores, 4) == {"Watch": 2.0, "Get": 0.75}
+    assert _calls_per_request(stores, 0) == {}
