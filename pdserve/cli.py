@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare_bench()
     try:
         return args.func(args) or 0
+    except BrokenPipeError:  # stdout closed early (`pdserve status | head`): ended as by SIGPIPE, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's own flush would fail too)
+        return 128 + signal.SIGPIPE
     except (ValueError, FileNotFoundError) as e:  # bad arguments: a model path that is not there, say
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -111,3 +111,14 @@ def test_the_cli_takes_a_deadline_and_refuses_one_that_is_not_positive(capsys):
                      "--timeout-s", "0.5"]) == 1
         took = time.perf_counter() - t0
     assert 0.5 <= took < 5 and "DEADLINE_EXCEEDED" in capsys.readouterr().err
+
+
+def test_the_cli_ends_quietly_when_its_reader_goes():
+    """`pdserve generate ... | head -c 1`: ended as by SIGPIPE (141), no traceback (there was one)."""
+    cli = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "generate", "--local", "--prompt", "hi",
+                            "--max-tokens", "400", "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    assert cli.stdout.read(1)
+    cli.stdout.close()
+    _, err = cli.communicate(timeout=120)
+    assert cli.returncode == 141 and b"Traceback" not in err, err.decode()[-2000:]
