@@ -217,3 +217,11 @@ def test_compare_goodput_target_names_the_first_disagg_policy_and_calls_need_a_s
     stores = [{"calls": {"Watch": 6, "Get": 3}}, {"calls": {"Watch": 2}}]
     assert _calls_per_request(stores, 4) == {"Watch": 2.0, "Get": 0.75}
     assert _calls_per_request(stores, 0) == {}
+
+
+def test_kvstore_store_vs_raw_is_over_the_repeats_the_raw_moves_were_timed_beside():
+    """(The store's median was over every repeat, the raw's over those with contiguous slots.)"""
+    from pdserve.bench.kvstore_bench import vs_raw
+
+    assert vs_raw([1.0, 9.0, 9.0], [True, False, False], int(2e9), 1.0) == 2.0
+    assert vs_raw([1.0, 3.0, 9.0], [True, True, True], int(2e9), 2.0) == 2e9 / 3.0 / 1e9 / 2.0
