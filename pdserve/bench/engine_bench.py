@@ -82,8 +82,13 @@ def hf_prefill(hf, loaded: LoadedModel, length: int, repeats: int) -> float:
 
 
 def hf_decode(hf, loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
+    """Decode tok/s: `steps` more tokens' time, as the difference of two generate() calls."""
     ids = torch.tensor(_prompts(batch, context, loaded.config.vocab_size), device=hf.device)
-    return batch * steps / (_hf_generate(hf, ids, steps + 1) - _hf_generate(hf, ids, 1))
+    decode_s = _hf_generate(hf, ids, steps + 1) - _hf_generate(hf, ids, 1)
+    if decode_s <= 0:  # (noise larger than the steps' time: a figure would be absurd or negative)
+        raise RuntimeError(f"transformers' {steps} decode steps timed {decode_s * 1e3:.2f} ms (two generate() calls "
+                           "apart): too few steps to measure at this shape; raise --steps")
+    return batch * steps / decode_s
 
 
 def _interleaved(sides: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
