@@ -228,7 +228,27 @@ def test_a_handoff_no_decode_waits_for_lets_its_hold_go(shared_redis_url, key_pr
             call.cancel()  # (the router fails the request)
             return first.kv_hold_lease_id, e.value.code()
 
+    async def colocated_first_token():  # (a misrouted call: the request prefills on decode itself)
+        pch, p = stubs(s.prefills[0].address, "prefill")
+        dch, d = stubs(s.decodes[0].address, "decode")
+        async with pch, dch:
+            ids = prompt(4 * B + 5, salt=80)
+            call = d.Generate(decode_pb2.DecodeRequest(request_id="colo", prompt_token_ids=ids,
+                                                       sampling=sampling(max_tokens=2000),
+                                                       mode=decode_pb2.DECODE_MODE_COLOCATED), timeout=60)
+            assert (await call.read()).HasField("admitted")
+            first = await prefill_whole(p, prefill_pb2.PrefillRequest(
+                request_id="colo", prompt_token_ids=ids, sampling=sampling()), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.FirstToken(decode_pb2.FirstTokenRequest(request_id="colo", prefill=first), timeout=5)
+            alive = not call.done()
+            call.cancel()
+            return first.kv_hold_lease_id, e.value.code(), alive
+
     try:
+        hold, code, alive = run(colocated_first_token())  # (it was accepted, and held until its TTL)
+        assert hold and code == grpc.StatusCode.NOT_FOUND and alive
+        assert held() == (0, 0)
         hold, code = run(refused_first_token())  # refused: no decode will pull its blocks
         assert hold and code == grpc.StatusCode.INVALID_ARGUMENT
         assert held() == (0, 0)

@@ -75,6 +75,7 @@ class Done:
 class InFlight:
     first: asyncio.Future
     task: asyncio.Task | None
+    colocated: bool = False  # prefilled here: no first token comes from a prefill worker
     last_activity: float = field(default_factory=time.monotonic)
 
 
@@ -87,7 +88,7 @@ class Decoder:
 
     def deliver_first_token(self, request_id: str, first: FirstToken) -> None:
         entry = self.inflight.get(request_id)
-        if entry is None:
+        if entry is None or entry.colocated:
             raise NotFound(f"no request {request_id!r} is waiting for its first token here")
         if not entry.first.done():
             entry.first.set_result(first)
@@ -106,7 +107,8 @@ class Decoder:
         rid = req.request_id
         if rid in self.inflight:
             raise InvalidArgument(f"request {rid!r} is already decoding here")
-        entry = self.inflight[rid] = InFlight(asyncio.get_running_loop().create_future(), asyncio.current_task())
+        entry = self.inflight[rid] = InFlight(asyncio.get_running_loop().create_future(), asyncio.current_task(),
+                                              req.colocated)
         stream = self.w.engine.open_stream(rid)
         live = True  # until the engine reports the request finished; abort is a no-op for unknown ids
         try:
