@@ -38,6 +38,8 @@ def _make(kind: str):
     if kind == "llama_linear":
         cfg = LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
         return LlamaForCausalLM(cfg)
+    if kind == "llama_attention_bias":  # q, k, v and o biases
+        return LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True))
     if kind == "qwen2":
         cfg = Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1000000.0)
         return Qwen2ForCausalLM(cfg)
@@ -54,10 +56,9 @@ def make_checkpoint(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         # Wider than HF's default init so logits are peaked and greedy choices are stable.
         model.lm_head.weight.normal_(0.0, 0.5)
-        if model.model.layers[0].self_attn.q_proj.bias is not None:
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():  # (transformers starts every bias at zero)
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     Tokenizer.byte_level().save(path / "tokenizer.json")
     return model

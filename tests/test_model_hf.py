@@ -166,3 +166,22 @@ def test_greedy_tokens_at_the_100m_shape_equal_transformers(tmp_path, monkeypatc
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert result.token_ids == out[0, len(prompt):].tolist(), len(prompt)
+
+
+@pytest.mark.parametrize("kind", ["llama_attention_bias"])
+def test_linear_biases_are_loaded_and_applied(tmp_path, kind):
+    """Llama's `attention_bias` puts a bias on o_proj as well as q, k, v: each bias the config
+    names is loaded and applied, in a prompt's pass and in decode steps (which, on CPU, run every
+    layer in one C call where the weights allow it)."""
+    hf_model = make_checkpoint(kind, tmp_path)
+    loaded = load_model(str(tmp_path))
+    tokens = [(i * 37 + 11) % 258 for i in range(20)]
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([tokens])).logits[0].float()
+    assert (our_logits(loaded, tokens) - theirs).abs().max().item() <= TOLERANCE
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, device=TEST_DEVICE))
+    ours = engine.generate([tokens], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([tokens]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                attention_mask=torch.ones(1, len(tokens), dtype=torch.long))
+    assert ours.token_ids == out[0, len(tokens):].tolist()

@@ -69,6 +69,11 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def attention_out_bias(self) -> bool:
+        """Whether o_proj has a bias: Llama's `attention_bias` covers q, k, v and o; Qwen2's bias is q, k, v only."""
+        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Map a Hugging Face `config.json` onto our fields."""

@@ -77,7 +77,7 @@ class Attention(nn.Module):
         kv_size = config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.wqkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.wo = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.wo = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
         self.scale = config.head_dim ** -0.5
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:

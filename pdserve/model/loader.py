@@ -98,6 +98,8 @@ def _rename_hf_weights(w: dict[str, torch.Tensor], config: ModelConfig) -> dict[
         if config.attention_bias:
             state[dst + "attn.wqkv.bias"] = torch.cat([take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"])
         state[dst + "attn.wo.weight"] = take(src + "self_attn.o_proj.weight")
+        if config.attention_out_bias:
+            state[dst + "attn.wo.bias"] = take(src + "self_attn.o_proj.bias")
         gate_up = [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]
         state[dst + "mlp.w_gate_up.weight"] = torch.cat(gate_up)
         state[dst + "mlp.w_down.weight"] = take(src + "mlp.down_proj.weight")
