@@ -40,6 +40,8 @@ def _make(kind: str):
         return LlamaForCausalLM(cfg)
     if kind == "llama_attention_bias":  # q, k, v and o biases
         return LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True))
+    if kind == "llama_mlp_bias":  # gate, up and down biases
+        return LlamaForCausalLM(LlamaConfig(**COMMON, mlp_bias=True))
     if kind == "qwen2":
         cfg = Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1000000.0)
         return Qwen2ForCausalLM(cfg)

@@ -168,11 +168,11 @@ def test_greedy_tokens_at_the_100m_shape_equal_transformers(tmp_path, monkeypatc
         assert result.token_ids == out[0, len(prompt):].tolist(), len(prompt)
 
 
-@pytest.mark.parametrize("kind", ["llama_attention_bias"])
+@pytest.mark.parametrize("kind", ["llama_attention_bias", "llama_mlp_bias"])
 def test_linear_biases_are_loaded_and_applied(tmp_path, kind):
-    """Llama's `attention_bias` puts a bias on o_proj as well as q, k, v: each bias the config
-    names is loaded and applied, in a prompt's pass and in decode steps (which, on CPU, run every
-    layer in one C call where the weights allow it)."""
+    """Llama's `attention_bias` puts a bias on o_proj as well as q, k, v, its `mlp_bias` on the
+    MLP's three projections: each bias the config names is loaded and applied, in a prompt's pass
+    and in decode steps (which, on CPU, run every layer in one C call where the weights allow it)."""
     hf_model = make_checkpoint(kind, tmp_path)
     loaded = load_model(str(tmp_path))
     tokens = [(i * 37 + 11) % 258 for i in range(20)]

@@ -46,6 +46,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False  # (Llama's: gate, up and down projections)
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
 
@@ -113,6 +114,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v bias; Llama exposes it as `attention_bias`.
             attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            mlp_bias=bool(hf.get("mlp_bias")) and arch == "LlamaForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
         )

@@ -145,7 +145,7 @@ def weights_placed(layers: nn.ModuleList) -> None:
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
         if any(type(lin) is not nn.Linear for lin in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)) \
-                or attn.wo.bias is not None:  # (the C call has a bias for wqkv only)
+                or any(lin.bias is not None for lin in (attn.wo, mlp.w_gate_up, mlp.w_down)):  # (C: wqkv's only)
             _WEIGHTS.pop(layers, None)
             return
         for t in (layer.attn_norm.weight, attn.wqkv.weight, attn.wqkv.bias, attn.wo.weight, layer.mlp_norm.weight,

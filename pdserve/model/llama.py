@@ -103,8 +103,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return meta.ops.linear(self.w_down, meta.ops.silu_mul(meta.ops.linear(self.w_gate_up, x)))

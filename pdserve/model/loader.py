@@ -103,6 +103,9 @@ def _rename_hf_weights(w: dict[str, torch.Tensor], config: ModelConfig) -> dict[
         gate_up = [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]
         state[dst + "mlp.w_gate_up.weight"] = torch.cat(gate_up)
         state[dst + "mlp.w_down.weight"] = take(src + "mlp.down_proj.weight")
+        if config.mlp_bias:
+            state[dst + "mlp.w_gate_up.bias"] = torch.cat([take(src + f"mlp.{p}_proj.bias") for p in ("gate", "up")])
+            state[dst + "mlp.w_down.bias"] = take(src + "mlp.down_proj.bias")
     return state
 
 
