@@ -96,6 +96,9 @@ def test_loader_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))  # (not silently silu)
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     with pytest.raises(ValueError, match="shape mismatch for 'layers.0.mlp.w_gate_up.weight'"):
         load_model(str(tmp_path))

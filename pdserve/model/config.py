@@ -86,6 +86,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r}; pdserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # (the MLP is SwiGLU: silu(gate) * up)
+            raise ValueError(f"unsupported hidden_act {act!r} in config.json; pdserve's MLP supports silu only")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
