@@ -47,17 +47,24 @@ class End:
 
 async def _one(router: Router, job: ChoiceJob) -> AsyncIterator[Token | End]:
     stop_tokens = set(job.params.stop_token_ids)
-    finish = ""
+    finish, prev = "", None
     async with aclosing(router.generate(job.request_id, job.prompt_ids, job.params, None, job.stop)) as items:
         async for item in items:
             if isinstance(item, TokenOut):
                 text = item.text
                 if item.finish_reason == common_pb2.FINISH_REASON_STOP and item.token_id in stop_tokens:
-                    text = text.removesuffix(router.tokenizer.decode([item.token_id]))  # (a stop token's text)
-                finish = FINISH.get(item.finish_reason, finish)
+                    text = text.removesuffix(_added_text(router.tokenizer, prev, item.token_id))  # (a stop token's)
+                finish, prev = FINISH.get(item.finish_reason, finish), item.token_id
                 yield Token(job.index, item.token_id, text, item.logprob)
             else:
                 yield End(job.index, finish or FINISH.get(item.finish_reason, "stop"), item)
+
+
+def _added_text(tokenizer, prev: int | None, token_id: int) -> str:
+    """The text `token_id` adds after `prev` (alone, a SentencePiece word token loses its space)."""
+    if prev is None:
+        return tokenizer.decode([token_id])
+    return tokenizer.decode([prev, token_id])[len(tokenizer.decode([prev])):]
 
 
 async def run(router: Router, jobs: list[ChoiceJob]) -> AsyncIterator[Token | End]:
