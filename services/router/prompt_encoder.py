@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from pdserve.errors import InvalidArgument
 from pdserve.model.tokenizer import Tokenizer
@@ -55,11 +56,20 @@ class PromptEncoder:
         self.check(text)
         if len(text) <= INLINE_CHARS:
             return self.tokenizer.encode(text, add_special_tokens)
-        if self._pool is None:
-            # spawn: forking a process that runs gRPC's threads is unsafe
-            self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self.tokenizer.to_json(),))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text, add_special_tokens)
+        for tries_left in (1, 0):
+            if self._pool is None:
+                # spawn: forking a process that runs gRPC's threads is unsafe
+                self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), initializer=_load,
+                                                 initargs=(self.tokenizer.to_json(),))
+            pool = self._pool
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, _encode, text, add_special_tokens)
+            except BrokenProcessPool:  # its process died (killed, out of memory): a broken pool stays broken
+                if self._pool is pool:
+                    self._pool = None
+                    pool.shutdown(wait=False, cancel_futures=True)
+                if not tries_left:
+                    raise
 
     def close(self) -> None:
         if self._pool is not None:
