@@ -26,16 +26,10 @@ import statistics
 import time
 
 from pdserve.bench.report import Target, emit
-from pdserve.bench.serve_stats import percentile
+from pdserve.bench.serve_stats import percentile as pct  # (the benches' one percentile)
 from pdserve.runtime.launch import RedisServer, ServiceProcess, redis_reachable
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.router.dispatch import DecodeAdmitted, Finished, FirstFromPrefill, disaggregated
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The benches' one percentile (serve_stats.percentile: linear, numpy's default; NaN for none)."""
-    return percentile(xs, q)
-
 
 _salts = itertools.count(1)
 
